@@ -1,0 +1,106 @@
+"""Model-agnostic layers: RMSNorm, the gated MLP and paged attention."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+from models.rope import apply_rope, rope_inverse_frequencies
+from pallas_kernels import AttentionMetadata, paged_attention
+
+# Letters in einsum strings:
+#   T tokens, D hidden size, N query heads, K kv heads, H head_dim, F mlp width.
+
+
+def init_param(rngs: nnx.Rngs, shape, dtype, logical_axes, scale: float = 0.02) -> nnx.Param:
+    """A normal-initialized parameter tagged with its logical sharding axes."""
+    value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value.astype(dtype), logical_axes=logical_axes)
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square layer norm, computed in f32."""
+
+    def __init__(self, size: int, *, eps: float, param_dtype, logical_axis: str | None = "embed"):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((size,), param_dtype), logical_axes=(logical_axis,))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class GatedMLP(nnx.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, *, param_dtype, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate = init_param(rngs, (d, f), param_dtype, ("embed", "mlp"))
+        self.up = init_param(rngs, (d, f), param_dtype, ("embed", "mlp"))
+        self.down = init_param(rngs, (f, d), param_dtype, ("mlp", "embed"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, D]
+        dtype = x.dtype
+        gate = jnp.einsum("TD,DF->TF", x, self.gate[...].astype(dtype))
+        up = jnp.einsum("TD,DF->TF", x, self.up[...].astype(dtype))
+        return jnp.einsum("TF,FD->TD", jax.nn.silu(gate) * up, self.down[...].astype(dtype))
+
+
+class PagedAttention(nnx.Module):
+    """Multi-head attention with GQA whose K/V live in a page pool."""
+
+    def __init__(self, config: ModelConfig, *, param_dtype, attention_impl: str, rngs: nnx.Rngs):
+        d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        self.head_dim = h
+        self.sliding_window = config.sliding_window
+        self.attention_impl = attention_impl
+        self.rope_theta = config.rope_theta
+        self.rope_scaling = config.rope_scaling
+        self.q_proj = init_param(rngs, (d, n, h), param_dtype, ("embed", "q_heads", "head_dim"))
+        self.k_proj = init_param(rngs, (d, k, h), param_dtype, ("embed", "kv_heads", "head_dim"))
+        self.v_proj = init_param(rngs, (d, k, h), param_dtype, ("embed", "kv_heads", "head_dim"))
+        self.o_proj = init_param(rngs, (n, h, d), param_dtype, ("q_heads", "head_dim", "embed"))
+        if config.qkv_bias:
+            self.q_bias = nnx.Param(jnp.zeros((n, h), param_dtype), logical_axes=("q_heads", "head_dim"))
+            self.k_bias = nnx.Param(jnp.zeros((k, h), param_dtype), logical_axes=("kv_heads", "head_dim"))
+            self.v_bias = nnx.Param(jnp.zeros((k, h), param_dtype), logical_axes=("kv_heads", "head_dim"))
+        else:
+            self.q_bias = self.k_bias = self.v_bias = None
+        if config.qk_norm:
+            norm = dict(eps=config.rms_norm_eps, param_dtype=param_dtype, logical_axis="head_dim")
+            self.q_norm, self.k_norm = RMSNorm(h, **norm), RMSNorm(h, **norm)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(
+        self,
+        x: jax.Array,  # [T, D]
+        positions: jax.Array,  # i32[T]
+        kv_pages: jax.Array,  # [num_pages, page_size, 2K, H]
+        metadata: AttentionMetadata,
+    ) -> tuple[jax.Array, jax.Array]:
+        dtype = x.dtype
+        q = jnp.einsum("TD,DNH->TNH", x, self.q_proj[...].astype(dtype))
+        k = jnp.einsum("TD,DKH->TKH", x, self.k_proj[...].astype(dtype))
+        v = jnp.einsum("TD,DKH->TKH", x, self.v_proj[...].astype(dtype))
+        if self.q_bias is not None:
+            q = q + self.q_bias[...].astype(dtype)
+            k = k + self.k_bias[...].astype(dtype)
+            v = v + self.v_bias[...].astype(dtype)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        # A trace-time constant: the frequencies depend only on the static config.
+        inv_freq = jnp.asarray(rope_inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling))
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        out, kv_pages = paged_attention(
+            q,
+            k,
+            v,
+            kv_pages,
+            metadata,
+            sm_scale=self.head_dim**-0.5,
+            attention_impl=self.attention_impl,
+            sliding_window=self.sliding_window,
+        )  # [T, N, H]
+        return jnp.einsum("TNH,NHD->TD", out, self.o_proj[...].astype(dtype)), kv_pages

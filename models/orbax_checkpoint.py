@@ -1,0 +1,89 @@
+"""Orbax checkpoints of a LoadedModel: save once, restore straight onto mesh shardings."""
+
+import json
+import os
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from models.config import ModelConfig
+from models.errors import CheckpointError
+from models.generation_config import GenerationConfig
+from models.sharding import state_shardings, with_shardings
+from models.tokenizer import Tokenizer
+
+MARKER = "paxkv_checkpoint.json"
+PARAMS_DIR = "params"
+FORMAT_VERSION = 1
+
+
+def save_orbax(loaded, directory: str) -> None:
+    """Write params (orbax), config, generation config and tokenizer into `directory`.
+
+    Args:
+      loaded: a models.LoadedModel.
+      directory: the output folder; it must not already hold a checkpoint.
+    """
+    directory = os.path.abspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    params_dir = os.path.join(directory, PARAMS_DIR)
+    if os.path.exists(params_dir):
+        raise FileExistsError(f"{params_dir} already exists; choose an empty output folder")
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(params_dir, nnx.to_pure_dict(loaded.state))
+    checkpointer.wait_until_finished()
+    if loaded.tokenizer is not None:
+        loaded.tokenizer.save(directory)
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "source": loaded.source,
+        "config": loaded.config.to_dict(),
+        "generation_config": loaded.generation_config.to_dict(),
+    }
+    # Written last: its presence marks a complete checkpoint.
+    with open(os.path.join(directory, MARKER), "w") as f:
+        json.dump(manifest, f, indent=2)
+
+
+def load_orbax(directory: str, model_kwargs: dict, *, mesh=None, sharding_rules=None):
+    """Restore a checkpoint written by save_orbax, onto `mesh` shardings when given.
+
+    Each device reads only its own shards, so no host holds the whole model at once.
+    """
+    from models.loading import LoadedModel, abstract_model
+
+    try:
+        with open(os.path.join(directory, MARKER)) as f:
+            manifest = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{directory}/{MARKER} is corrupt ({e}); re-run scripts/convert_checkpoint.py") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{directory} has checkpoint format {manifest.get('format_version')}, this paxkv reads "
+            f"{FORMAT_VERSION}; re-run scripts/convert_checkpoint.py"
+        )
+    config = ModelConfig.from_dict(manifest["config"])
+    graphdef, abstract_state = abstract_model(config, model_kwargs)
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, abstract_state)
+    else:
+        shardings = state_shardings(abstract_state, mesh, sharding_rules)
+    target = nnx.to_pure_dict(with_shardings(abstract_state, shardings))
+    try:
+        restored = ocp.StandardCheckpointer().restore(os.path.join(directory, PARAMS_DIR), target)
+    except (FileNotFoundError, ValueError) as e:
+        raise CheckpointError(
+            f"cannot restore orbax params from {directory} ({e}); re-run scripts/convert_checkpoint.py"
+        ) from None
+    nnx.replace_by_pure_dict(abstract_state, restored)
+    tokenizer = Tokenizer.from_hf_dir(directory) if os.path.exists(os.path.join(directory, "tokenizer.json")) else None
+    return LoadedModel(
+        config=config,
+        tokenizer=tokenizer,
+        generation_config=GenerationConfig.from_dict(manifest["generation_config"]),
+        graphdef=graphdef,
+        state=abstract_state,
+        source=directory,
+    )

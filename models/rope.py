@@ -1,0 +1,55 @@
+"""Rotary position embeddings with default, linear and llama3 frequency scaling."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import RopeScaling
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """Per-pair rotation frequencies, f32[head_dim // 2], as HF computes them.
+
+    Args:
+      head_dim: size of one attention head (rotated in full).
+      theta: the rope base.
+      scaling: the frequency scaling of the checkpoint.
+    """
+    exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling.rope_type == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling.rope_type == "llama3":
+        inv_freq = _llama3_scaled(inv_freq, scaling)
+    return inv_freq.astype(np.float32)
+
+
+def _llama3_scaled(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
+    """Llama 3.1's scaling: long wavelengths slowed by `factor`, short kept, a smooth ramp between."""
+    old_context = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context / scaling.low_freq_factor
+    high_freq_wavelen = old_context / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled)
+
+
+def apply_rope(
+    x: jax.Array,  # [T, H, D]
+    positions: jax.Array,  # i32[T]
+    inv_freq: jax.Array,  # f32[D // 2]
+) -> jax.Array:  # [T, H, D]
+    """Rotate the two halves of each head (HF's rotate_half convention)."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D // 2]
+    cos = jnp.cos(angles)[:, None, :]  # [T, 1, D // 2]
+    sin = jnp.sin(angles)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)

