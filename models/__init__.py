@@ -5,7 +5,13 @@ from models.errors import CheckpointError
 from models.generation_config import GenerationConfig
 from models.llama import Llama
 from models.loading import LoadedModel, embedded_model_path, load
-from models.paged_forward import PagedSequence, allocate_kv_caches, forward_over_pages, greedy_generate
+from models.paged_forward import (
+    PagedSequence,
+    allocate_kv_caches,
+    forward_over_pages,
+    greedy_generate,
+    greedy_tokens,
+)
 
 __all__ = [
     "CheckpointError",
@@ -18,6 +24,7 @@ __all__ = [
     "allocate_kv_caches",
     "embedded_model_path",
     "greedy_generate",
+    "greedy_tokens",
     "load",
     "forward_over_pages",
 ]

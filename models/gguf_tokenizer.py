@@ -139,7 +139,8 @@ def add_special_flags(metadata: Mapping) -> tuple[bool, bool]:
         metadata: GGUF keys mapped to plain Python values.
     """
     bos_by_default = metadata.get("tokenizer.ggml.model") == "llama" or (
-        metadata.get("tokenizer.ggml.model") == "gpt2" and metadata.get("tokenizer.ggml.pre") in _IGNORE_MERGES_PRE_TYPES
+        metadata.get("tokenizer.ggml.model") == "gpt2"
+        and metadata.get("tokenizer.ggml.pre") in _IGNORE_MERGES_PRE_TYPES
     )
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", bos_by_default))
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
@@ -159,7 +160,7 @@ def sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float], mergeab
     # piece into two pieces of the vocabulary is a merge, ranked by the joined piece's score (higher first), then
     # by its id, then by where it is cut.
     ids = {}
-    for token_id, (token, usable) in enumerate(zip(tokens, mergeable)):
+    for token_id, (token, usable) in enumerate(zip(tokens, mergeable, strict=False)):
         if usable:
             ids.setdefault(token, token_id)
     ranked = []
@@ -196,7 +197,7 @@ def _byte_level_bpe(metadata: Mapping, tokens: list[str], token_types: list[int]
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
     speller = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     vocab = {}
-    for token_id, (token, token_type) in enumerate(zip(tokens, token_types)):
+    for token_id, (token, token_type) in enumerate(zip(tokens, token_types, strict=False)):
         if token_type in (TOKEN_NORMAL, TOKEN_UNUSED, TOKEN_BYTE) and not set(token) <= alphabet:
             # Some converters store a normal token as raw text; the model looks it up by its byte spelling.
             token = "".join(piece for piece, _ in speller.pre_tokenize_str(token))
@@ -204,8 +205,15 @@ def _byte_level_bpe(metadata: Mapping, tokens: list[str], token_types: list[int]
     pairs = [_split_merge(merge) for merge in merges]
     pre_type = str(metadata.get("tokenizer.ggml.pre", "default"))
     backend = tokenizers.Tokenizer(
-        models.BPE(vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
-                   fuse_unk=False, ignore_merges=pre_type in _IGNORE_MERGES_PRE_TYPES)
+        models.BPE(
+            vocab=vocab,
+            merges=pairs,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            ignore_merges=pre_type in _IGNORE_MERGES_PRE_TYPES,
+        )
     )
     regex = PRE_TOKENIZER_REGEXES.get(pre_type)
     if regex is None:
@@ -213,10 +221,12 @@ def _byte_level_bpe(metadata: Mapping, tokens: list[str], token_types: list[int]
             logger.warning("GGUF pre-tokenizer type %r is unknown; splitting text with GPT-2's regex", pre_type)
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     backend.decoder = decoders.ByteLevel()
     return backend
 
@@ -265,10 +275,13 @@ def _sentencepiece_bpe(metadata: Mapping, tokens: list[str], token_types: list[i
     return backend
 
 
-def _add_special_tokens(backend: tokenizers.Tokenizer, metadata: Mapping, tokens: list[str],
-                        token_types: list[int]) -> None:
+def _add_special_tokens(
+    backend: tokenizers.Tokenizer, metadata: Mapping, tokens: list[str], token_types: list[int]
+) -> None:
     """Register control/unknown tokens (and the named special tokens) as special, user-defined ones as added."""
-    special_ids = {index for index, token_type in enumerate(token_types) if token_type in (TOKEN_CONTROL, TOKEN_UNKNOWN)}
+    special_ids = {
+        index for index, token_type in enumerate(token_types) if token_type in (TOKEN_CONTROL, TOKEN_UNKNOWN)
+    }
     for key in SPECIAL_TOKEN_KEYS.values():
         token_id = metadata.get(key)
         if token_id is not None and 0 <= int(token_id) < len(tokens):

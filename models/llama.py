@@ -15,9 +15,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, *, param_dtype, attention_impl: str, rngs: nnx.Rngs):
         norm = dict(eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.input_norm = RMSNorm(config.hidden_size, **norm)
-        self.attention = PagedAttention(
-            config, param_dtype=param_dtype, attention_impl=attention_impl, rngs=rngs
-        )
+        self.attention = PagedAttention(config, param_dtype=param_dtype, attention_impl=attention_impl, rngs=rngs)
         self.post_attention_norm = RMSNorm(config.hidden_size, **norm)
         self.mlp = GatedMLP(config, param_dtype=param_dtype, rngs=rngs)
 

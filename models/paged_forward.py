@@ -1,6 +1,7 @@
 """Run a model over a page pool outside any engine: one jitted forward, and one sequence at a time."""
 
 import functools
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -11,9 +12,7 @@ from models.config import ModelConfig
 from pallas_kernels import AttentionMetadata
 
 
-def allocate_kv_caches(
-    config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32
-) -> list[jax.Array]:
+def allocate_kv_caches(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32) -> list[jax.Array]:
     """Zeroed page pools, one per layer, each [num_pages, page_size, 2 * num_kv_heads, head_dim]."""
     shape = (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
     return [jnp.zeros(shape, dtype) for _ in range(config.num_layers)]
@@ -120,7 +119,7 @@ class PagedSequence:
         return np.asarray(logits[:n] if all_logits else logits)
 
 
-def greedy_generate(
+def greedy_tokens(
     graphdef: nnx.GraphDef,
     state: nnx.State,
     config: ModelConfig,
@@ -129,14 +128,40 @@ def greedy_generate(
     *,
     stop_token_ids=(),
     page_size: int = 16,
+) -> Iterator[int]:
+    """Yield a greedy completion of one prompt token by token: the models-level path, before any engine.
+
+    Args:
+      graphdef, state: the split NNX model.
+      config: its ModelConfig.
+      prompt_ids: the prompt's token ids.
+      max_new_tokens: the most tokens to generate.
+      stop_token_ids: generation ends after yielding one of these.
+      page_size: tokens per page of the private pool.
+    """
+    if not prompt_ids:
+        raise ValueError("the prompt is empty; give at least one token")
+    if len(prompt_ids) + max_new_tokens > config.max_position_embeddings:
+        raise ValueError(
+            f"prompt of {len(prompt_ids)} tokens plus {max_new_tokens} new tokens exceeds the model's "
+            f"context of {config.max_position_embeddings}; shorten the prompt or lower max_new_tokens"
+        )
+    sequence = PagedSequence(graphdef, state, config, max_tokens=len(prompt_ids) + max_new_tokens, page_size=page_size)
+    logits = sequence.feed(prompt_ids, all_logits=False)
+    for step in range(max_new_tokens):
+        next_token = int(np.argmax(logits[-1]))
+        yield next_token
+        if next_token in stop_token_ids or step + 1 == max_new_tokens:
+            return
+        logits = sequence.feed([next_token], all_logits=False)
+
+
+def greedy_generate(
+    graphdef, state, config, prompt_ids, max_new_tokens, *, stop_token_ids=(), page_size=16
 ) -> list[int]:
-    """Greedy completion of one prompt: the models-level path, before any engine."""
-    sequence = PagedSequence(
-        graphdef, state, config, max_tokens=len(prompt_ids) + max_new_tokens, page_size=page_size
+    """The whole greedy completion as a list (see greedy_tokens)."""
+    return list(
+        greedy_tokens(
+            graphdef, state, config, prompt_ids, max_new_tokens, stop_token_ids=stop_token_ids, page_size=page_size
+        )
     )
-    next_token = int(np.argmax(sequence.feed(prompt_ids, all_logits=False)[-1]))
-    generated = [next_token]
-    while len(generated) < max_new_tokens and next_token not in stop_token_ids:
-        next_token = int(np.argmax(sequence.feed([next_token], all_logits=False)[-1]))
-        generated.append(next_token)
-    return generated

@@ -33,9 +33,7 @@ def _llama3_scaled(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
     high_freq_wavelen = old_context / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_context / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
+    smooth = (old_context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return np.where(is_medium, smoothed, scaled)

@@ -33,7 +33,11 @@ def logical_partition_spec(
         if size % mesh.shape[mesh_axis]:
             logging.info(
                 "%s: dim %s of size %d does not divide mesh axis %s=%d; replicating it",
-                name, axis_name, size, mesh_axis, mesh.shape[mesh_axis],
+                name,
+                axis_name,
+                size,
+                mesh_axis,
+                mesh.shape[mesh_axis],
             )
             spec.append(None)
             continue

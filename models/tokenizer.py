@@ -296,7 +296,7 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Return the text still held back at the end of the stream (an unfinished character decodes as U+FFFD)."""
         text = self._backend.decode(self._ids, skip_special_tokens=self._skip_special_tokens)
-        rest = text[self._emitted:]
+        rest = text[self._emitted :]
         self._emitted = len(text)
         return rest
 
@@ -344,7 +344,9 @@ def _read_chat_template(path: str, config: Mapping) -> str | None:
         named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, Mapping)}
         if isinstance(named.get("default"), str):
             return named["default"]
-        logger.warning("%s: none of the chat templates %s is named 'default'; using none", path, sorted(map(str, named)))
+        logger.warning(
+            "%s: none of the chat templates %s is named 'default'; using none", path, sorted(map(str, named))
+        )
         return None
     raise CheckpointError(
         f"{os.path.join(path, TOKENIZER_CONFIG_FILE)}: chat_template must be a string or a list of "

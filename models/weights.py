@@ -45,7 +45,9 @@ def hf_weight_map(config: ModelConfig) -> dict[tuple, tuple[str, tuple[int, ...]
         if config.qkv_bias:
             for name, heads in (("q", n), ("k", k), ("v", k)):
                 mapping[ours + ("attention", f"{name}_bias")] = (
-                    hf + f"self_attn.{name}_proj.bias", (heads * h,), lambda w, heads=heads: w.reshape(heads, h)
+                    hf + f"self_attn.{name}_proj.bias",
+                    (heads * h,),
+                    lambda w, heads=heads: w.reshape(heads, h),
                 )
         if config.qk_norm:
             mapping[ours + ("attention", "q_norm", "weight")] = (hf + "self_attn.q_norm.weight", (h,), identity)

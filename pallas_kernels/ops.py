@@ -19,8 +19,7 @@ def resolve_attention_impl(attention_impl: str = "auto", backend: str | None = N
     """
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(
-            f"attention_impl={attention_impl!r} is not one of {ATTENTION_IMPLS}; "
-            "use 'auto' to pick from the backend"
+            f"attention_impl={attention_impl!r} is not one of {ATTENTION_IMPLS}; use 'auto' to pick from the backend"
         )
     if attention_impl == "auto":
         # Until the Pallas kernels land every backend runs the XLA reference path.

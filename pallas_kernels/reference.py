@@ -103,9 +103,7 @@ def ragged_paged_attention_reference(
     token_kv_lens = jnp.where(live, metadata.kv_lens[row], 0)  # i32[T]
 
     def visibility(kv_positions):  # i32[B] -> bool[T, B]
-        visible = (kv_positions[None, :] <= query_positions[:, None]) & (
-            kv_positions[None, :] < token_kv_lens[:, None]
-        )
+        visible = (kv_positions[None, :] <= query_positions[:, None]) & (kv_positions[None, :] < token_kv_lens[:, None])
         if sliding_window is not None:
             visible &= kv_positions[None, :] > query_positions[:, None] - sliding_window
         return visible
@@ -186,6 +184,8 @@ def _attend_per_sequence(q, kv_pages, block_tables, row, token_kv_lens, visibili
     _, running_sum, acc = jax.lax.fori_loop(0, num_steps, attend_block, init)
     out = acc / jnp.maximum(running_sum, 1e-30)[..., None]  # padded tokens stay 0
     # [K, T * G, D] -> [T, K * G, D]
-    return out.reshape(num_kv_heads, num_tokens, group, head_dim).transpose(1, 0, 2, 3).reshape(
-        num_tokens, num_q_heads, head_dim
+    return (
+        out.reshape(num_kv_heads, num_tokens, group, head_dim)
+        .transpose(1, 0, 2, 3)
+        .reshape(num_tokens, num_q_heads, head_dim)
     )

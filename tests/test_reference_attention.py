@@ -62,9 +62,9 @@ def _random_batch(rng, *, kv_lens, q_lens, page_size, num_kv_heads, group, head_
     block_tables = np.zeros((PADDED_SEQS, pages_per_seq), np.int32)
     pages = rng.normal(size=(num_pages, page_size, 2 * num_kv_heads, head_dim)).astype(np.float32)
     pages = np.array(jnp.asarray(pages, kv_dtype).astype(jnp.float32))  # garbage everywhere
-    dense_k, dense_v, q_all, slots, expected_rows = [], [], [], [], []
+    dense_k, dense_v, q_all, slots, _expected_rows = [], [], [], [], []
     cursor = 0
-    for s, (kv_len, q_len) in enumerate(zip(kv_lens, q_lens)):
+    for s, (kv_len, q_len) in enumerate(zip(kv_lens, q_lens, strict=False)):
         table = page_ids[cursor : cursor + pages_per_seq]
         cursor += pages_per_seq
         block_tables[s] = table
@@ -97,8 +97,14 @@ def test_matches_dense_causal_attention(group, page_size, kv_dtype, kv_read):
     kv_lens = [page_size, page_size + 1, 3 * page_size - 1, 1, 2 * page_size, 7]
     q_lens = [1, page_size + 1, 5, 1, page_size, 3]
     pages, block_tables, dense_k, dense_v, q_all, slots = _random_batch(
-        rng, kv_lens=kv_lens, q_lens=q_lens, page_size=page_size, num_kv_heads=num_kv_heads,
-        group=group, head_dim=head_dim, kv_dtype=kv_dtype,
+        rng,
+        kv_lens=kv_lens,
+        q_lens=q_lens,
+        page_size=page_size,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        kv_dtype=kv_dtype,
     )
     num_tokens = sum(q_lens)
     q = np.zeros((PADDED_TOKENS, num_kv_heads * group, head_dim), np.float32)
@@ -124,16 +130,12 @@ def test_matches_dense_causal_attention(group, page_size, kv_dtype, kv_read):
         num_seqs=jnp.asarray([len(kv_lens)], jnp.int32),
     )
     sm_scale = head_dim**-0.5
-    new_pages = write_kv_reference(
-        jnp.asarray(pages, kv_dtype), jnp.asarray(k_new), jnp.asarray(v_new), metadata.slots
-    )
+    new_pages = write_kv_reference(jnp.asarray(pages, kv_dtype), jnp.asarray(k_new), jnp.asarray(v_new), metadata.slots)
     out = np.asarray(
         ragged_paged_attention_reference(jnp.asarray(q), new_pages, metadata, sm_scale=sm_scale, kv_read=kv_read)
     )
-    for s, (kv_len, q_len) in enumerate(zip(kv_lens, q_lens)):
-        expected = _dense_attention(
-            q_all[s], dense_k[s], dense_v[s], np.arange(kv_len - q_len, kv_len), sm_scale
-        )
+    for s, (kv_len, q_len) in enumerate(zip(kv_lens, q_lens, strict=False)):
+        expected = _dense_attention(q_all[s], dense_k[s], dense_v[s], np.arange(kv_len - q_len, kv_len), sm_scale)
         np.testing.assert_allclose(out[cu[s] : cu[s + 1]], expected, rtol=2e-5, atol=2e-5)
     np.testing.assert_array_equal(out[num_tokens:], 0.0)  # padded tokens attend to nothing
     # Every live page outside the written slots is untouched.
@@ -149,8 +151,14 @@ def test_sliding_window_matches_dense(kv_read):
     rng = np.random.default_rng(7)
     page_size, window, kv_len = 8, 5, 21
     pages, block_tables, dense_k, dense_v, q_all, slots = _random_batch(
-        rng, kv_lens=[kv_len], q_lens=[kv_len], page_size=page_size, num_kv_heads=1, group=2,
-        head_dim=8, kv_dtype=jnp.float32,
+        rng,
+        kv_lens=[kv_len],
+        q_lens=[kv_len],
+        page_size=page_size,
+        num_kv_heads=1,
+        group=2,
+        head_dim=8,
+        kv_dtype=jnp.float32,
     )
     metadata = AttentionMetadata(
         slots=jnp.asarray(slots[0]),
@@ -187,7 +195,11 @@ def test_chunked_prefill_equals_one_prefill(chunk_sizes):
             num_seqs=jnp.asarray([1], jnp.int32),
         )
         return paged_attention(
-            jnp.asarray(q[start:stop]), jnp.asarray(k[start:stop]), jnp.asarray(v[start:stop]), pages, metadata,
+            jnp.asarray(q[start:stop]),
+            jnp.asarray(k[start:stop]),
+            jnp.asarray(v[start:stop]),
+            pages,
+            metadata,
             sm_scale=0.25,
         )
 
@@ -214,10 +226,11 @@ def test_write_kv_interleaves_k_and_v():
 
 def test_gqa_rejects_mismatched_heads():
     metadata = AttentionMetadata(
-        slots=jnp.zeros(1, jnp.int32), block_tables=jnp.ones((1, 1), jnp.int32),
-        cu_q_lens=jnp.array([0, 1], jnp.int32), kv_lens=jnp.array([1], jnp.int32), num_seqs=jnp.array([1], jnp.int32),
+        slots=jnp.zeros(1, jnp.int32),
+        block_tables=jnp.ones((1, 1), jnp.int32),
+        cu_q_lens=jnp.array([0, 1], jnp.int32),
+        kv_lens=jnp.array([1], jnp.int32),
+        num_seqs=jnp.array([1], jnp.int32),
     )
     with pytest.raises(ValueError, match="not a multiple"):
-        ragged_paged_attention_reference(
-            jnp.zeros((1, 3, 4)), jnp.zeros((2, 4, 4, 4)), metadata, sm_scale=1.0
-        )
+        ragged_paged_attention_reference(jnp.zeros((1, 3, 4)), jnp.zeros((2, 4, 4, 4)), metadata, sm_scale=1.0)

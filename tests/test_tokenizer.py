@@ -57,10 +57,76 @@ CONVERSATIONS = [
 # (model_type=bpe, byte_fallback, add_dummy_prefix, identity normalization) on a few English sentences: the merges
 # best first, then the single characters; a piece's score is minus its position here, as in SentencePiece.
 SPM_PIECES = [
-    "▁t", "he", "▁the", "▁s", "or", "▁i", "ll", "▁se", "en", "ok", "re", "▁o", "▁w", "▁is", "hell", "oken",
-    "▁there", "▁token", "er", "ex", "hi", "ld", "ng", "nt", "um", "▁n", "ext", "nto", "hing", "orld", "▁sea",
-    "hello", "▁into", "▁text", "▁hello", "▁world", "▁tokens", "af", "an", "▁", "e", "t", "o", "h", "s", "n", "r",
-    "l", "i", "a", "d", "k", "u", "w", "f", "g", "x", "é", ",", "c", "m", "v", "y", "z", "b", "j", "p", "q", "ï", "ñ",
+    "▁t",
+    "he",
+    "▁the",
+    "▁s",
+    "or",
+    "▁i",
+    "ll",
+    "▁se",
+    "en",
+    "ok",
+    "re",
+    "▁o",
+    "▁w",
+    "▁is",
+    "hell",
+    "oken",
+    "▁there",
+    "▁token",
+    "er",
+    "ex",
+    "hi",
+    "ld",
+    "ng",
+    "nt",
+    "um",
+    "▁n",
+    "ext",
+    "nto",
+    "hing",
+    "orld",
+    "▁sea",
+    "hello",
+    "▁into",
+    "▁text",
+    "▁hello",
+    "▁world",
+    "▁tokens",
+    "af",
+    "an",
+    "▁",
+    "e",
+    "t",
+    "o",
+    "h",
+    "s",
+    "n",
+    "r",
+    "l",
+    "i",
+    "a",
+    "d",
+    "k",
+    "u",
+    "w",
+    "f",
+    "g",
+    "x",
+    "é",
+    ",",
+    "c",
+    "m",
+    "v",
+    "y",
+    "z",
+    "b",
+    "j",
+    "p",
+    "q",
+    "ï",
+    "ñ",
 ]
 SPM_HEAD = ["<unk>", "<s>", "</s>", "<tool>"]
 SPM_HEAD_TYPES = [2, 3, 3, 4]  # unknown, control, control, user-defined
@@ -178,7 +244,20 @@ def test_smollm2_special_tokens_and_known_ids(smol):
     assert smol.pad_token_id == 2
     assert smol.vocab_size == 49152
     assert smol.encode("Hello  world\n\n  héllo 你好 <|im_start|>") == [
-        19556, 216, 905, 8866, 294, 2756, 31394, 216, 18645, 250, 48392, 138, 216, 1,
+        19556,
+        216,
+        905,
+        8866,
+        294,
+        2756,
+        31394,
+        216,
+        18645,
+        250,
+        48392,
+        138,
+        216,
+        1,
     ]
     assert smol.encode("Hello") == [19556]  # no BOS for this byte-level vocabulary
     assert smol.encode("") == []
@@ -234,13 +313,19 @@ def test_chat_template_environment_matches_transformers(smol, hf_smol):
         "{{ strftime_now('%Y') }}"
         "{% if add_generation_prompt %}[ASSISTANT]{% endif %}"
     )
-    custom = Tokenizer(smol.backend, bos_token=smol.bos_token, eos_token=smol.eos_token, pad_token=smol.pad_token,
-                       chat_template=template)
+    custom = Tokenizer(
+        smol.backend,
+        bos_token=smol.bos_token,
+        eos_token=smol.eos_token,
+        pad_token=smol.pad_token,
+        chat_template=template,
+    )
     messages = CONVERSATIONS[1]
     extra = {"k": "é<b>&", "n": [1, 2]}
     ours = custom.apply_chat_template(messages, extra=extra)
-    theirs = hf_smol.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True,
-                                         extra=extra)
+    theirs = hf_smol.apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=True, extra=extra
+    )
     assert ours == theirs
     # trim_blocks eats the newline after {% endgeneration %}; the loop stops at the third message.
     assert ours.startswith('[SYSTEM] You are terse.[USER] What is 2+2?{"k": "é<b>&", "n": [1, 2]}|<|im_start|>|')
@@ -250,8 +335,9 @@ def test_chat_template_environment_matches_transformers(smol, hf_smol):
 
 
 def test_chat_template_raise_exception_is_value_error(smol):
-    custom = Tokenizer(smol.backend, bos_token=None, eos_token=None,
-                       chat_template="{{ raise_exception('roles must alternate') }}")
+    custom = Tokenizer(
+        smol.backend, bos_token=None, eos_token=None, chat_template="{{ raise_exception('roles must alternate') }}"
+    )
     with pytest.raises(ValueError, match="roles must alternate"):
         custom.apply_chat_template([{"role": "user", "content": "x"}])
 
@@ -269,8 +355,9 @@ def test_hf_dir_matches_transformers(hf_dir, hf_smol):
         assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
     for messages in CONVERSATIONS:
         for add_generation_prompt in (True, False):
-            expected = hf_smol.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                   tokenize=False)
+            expected = hf_smol.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
             assert tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
 
 
@@ -327,13 +414,16 @@ def test_sentencepiece_gguf_hand_checked(spm):
     tokens, _, _ = _spm_vocab()
     # "▁the" is a piece, so " the" after the dummy prefix is one token; "H" is not, so it falls back to byte 0x48.
     assert spm.encode("the") == [1, tokens.index("▁the")]
-    assert spm.encode("Hi", add_special_tokens=False) == [tokens.index("▁"), tokens.index("<0x48>"),
-                                                          tokens.index("i")]
+    assert spm.encode("Hi", add_special_tokens=False) == [tokens.index("▁"), tokens.index("<0x48>"), tokens.index("i")]
     # Like llama.cpp (and Meta's reference code, which encodes the text between special tokens one piece at a time),
     # text after a special or user-defined token gets the "▁" prefix again. transformers' GGUF loader (Metaspace,
     # prepend_scheme="first") and SentencePiece (which does not split there) do not add it.
     assert spm.encode("x<tool>y", add_special_tokens=False) == [
-        tokens.index("▁"), tokens.index("x"), tokens.index("<tool>"), tokens.index("▁"), tokens.index("y"),
+        tokens.index("▁"),
+        tokens.index("x"),
+        tokens.index("<tool>"),
+        tokens.index("▁"),
+        tokens.index("y"),
     ]
     assert spm.encode("<s>the", add_special_tokens=False) == [1, tokens.index("▁the")]
     assert spm.decode(spm.encode("x<tool>y"), skip_special_tokens=True) == "x<tool> y"
@@ -357,7 +447,8 @@ def test_sentencepiece_merges_follow_scores():
     merges = sentencepiece_merges(tokens, scores, [True] * len(tokens))
     assert merges == [("b", "c"), ("a", "b"), ("a", "bc"), ("ab", "c")]
     assert sentencepiece_merges(tokens, scores, [True, True, True, True, False, True]) == [
-        ("a", "b"), ("ab", "c"),
+        ("a", "b"),
+        ("ab", "c"),
     ]
 
 
