@@ -13,7 +13,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# Mistral GGUFs from llama.cpp carry architecture "llama".
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -119,7 +120,8 @@ class ModelConfig:
         arch = meta.get("general.architecture")
         if arch not in SUPPORTED_GGUF_ARCHITECTURES:
             raise CheckpointError(
-                f"GGUF architecture {arch!r} is not supported; paxkv loads {SUPPORTED_GGUF_ARCHITECTURES}"
+                f"GGUF architecture {arch!r} is not supported; paxkv loads {SUPPORTED_GGUF_ARCHITECTURES}: "
+                "use a GGUF of one of those, or the model's HF safetensors folder"
             )
 
         def get(key, default=None):
@@ -181,7 +183,7 @@ def _hf_model_type(hf: dict[str, Any]) -> str:
         return model_type
     raise CheckpointError(
         f"architecture {hf.get('architectures')} (model_type={model_type!r}) is not supported; "
-        f"paxkv loads {sorted(SUPPORTED_ARCHITECTURES)}"
+        f"paxkv loads {sorted(SUPPORTED_ARCHITECTURES)}; use a checkpoint of one of those"
     )
 
 

