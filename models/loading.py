@@ -98,7 +98,9 @@ def load(
     if os.path.isdir(path) and os.path.exists(os.path.join(path, ORBAX_MARKER)):
         from models.orbax_checkpoint import load_orbax
 
-        loaded = load_orbax(path, model_kwargs, mesh=mesh, sharding_rules=sharding_rules)
+        loaded = load_orbax(
+            path, model_kwargs, mesh=mesh, sharding_rules=sharding_rules, require_tokenizer=require_tokenizer
+        )
     elif os.path.isdir(path):
         loaded = _load_hf_dir(path, model_kwargs, mesh, sharding_rules, require_tokenizer)
     elif path.endswith(".gguf") or (os.path.isfile(path) and _has_gguf_magic(path)):
@@ -112,11 +114,6 @@ def load(
         raise CheckpointError(
             f"{path} is neither a folder nor a .gguf file; paxkv loads HF folders "
             "(config.json + *.safetensors), GGUF files and orbax folders"
-        )
-    if loaded.tokenizer is None and require_tokenizer:
-        raise CheckpointError(
-            f"{path} has no tokenizer (tokenizer.json); copy the model's tokenizer.json and "
-            "tokenizer_config.json into it, or pass require_tokenizer=False to load weights only"
         )
     loaded.load_seconds = time.perf_counter() - start
     logging.info(
@@ -173,11 +170,21 @@ def build_state(
     return state
 
 
+def check_tokenizer_file(path: str, require_tokenizer: bool) -> None:
+    """Fail before reading any weights when a required tokenizer is absent."""
+    if require_tokenizer and not os.path.exists(os.path.join(path, "tokenizer.json")):
+        raise CheckpointError(
+            f"{path} has no tokenizer (tokenizer.json); copy the model's tokenizer.json and "
+            "tokenizer_config.json into it, or pass require_tokenizer=False to load weights only"
+        )
+
+
 def _load_hf_dir(path, model_kwargs, mesh, sharding_rules, require_tokenizer) -> LoadedModel:
     from safetensors import SafetensorError, safe_open
 
     hf_config = load_hf_config(os.path.join(path, "config.json"))
     config = ModelConfig.from_hf_config(hf_config)
+    check_tokenizer_file(path, require_tokenizer)
     files = _safetensors_files(path)
     handles, owner = [], {}
     try:

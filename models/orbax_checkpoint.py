@@ -46,12 +46,12 @@ def save_orbax(loaded, directory: str) -> None:
         json.dump(manifest, f, indent=2)
 
 
-def load_orbax(directory: str, model_kwargs: dict, *, mesh=None, sharding_rules=None):
+def load_orbax(directory: str, model_kwargs: dict, *, mesh=None, sharding_rules=None, require_tokenizer=True):
     """Restore a checkpoint written by save_orbax, onto `mesh` shardings when given.
 
     Each device reads only its own shards, so no host holds the whole model at once.
     """
-    from models.loading import LoadedModel, abstract_model
+    from models.loading import LoadedModel, abstract_model, check_tokenizer_file
 
     try:
         with open(os.path.join(directory, MARKER)) as f:
@@ -64,6 +64,7 @@ def load_orbax(directory: str, model_kwargs: dict, *, mesh=None, sharding_rules=
             f"{FORMAT_VERSION}; re-run scripts/convert_checkpoint.py"
         )
     config = ModelConfig.from_dict(manifest["config"])
+    check_tokenizer_file(directory, require_tokenizer)
     graphdef, abstract_state = abstract_model(config, model_kwargs)
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
