@@ -95,7 +95,10 @@ class GGUFCheckpoint:
         from gguf import quants
 
         tensor = self.tensors[name]
-        array = quants.dequantize(tensor.data, tensor.tensor_type)
+        # A plain in-memory copy of the (small, quantized) bytes: dequantizing straight from the
+        # memmap pays numpy's memmap bookkeeping on every row slice, several seconds per model.
+        raw = np.array(tensor.data, copy=True, subok=False)
+        array = quants.dequantize(raw, tensor.tensor_type)
         array = np.asarray(array, np.float32).reshape(tuple(reversed([int(d) for d in tensor.shape])))
         if self.architecture == "llama":
             if name.endswith("self_attn.q_proj.weight"):
