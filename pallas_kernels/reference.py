@@ -1,6 +1,7 @@
 """Pure-jnp ragged paged attention and KV write: the reference every kernel is checked against."""
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +38,9 @@ def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
 
 
 KV_READS = ("auto", "per_token", "per_sequence")
-# Tokens of KV read per loop step on the per-sequence path.
-_KV_BLOCK_TOKENS = 256
+# Tokens of KV read per loop step, and query tokens per block, on the per-sequence path.
+_KV_BLOCK_TOKENS = 128
+_Q_BLOCK_TOKENS = 128
 
 
 def _online_softmax_step(carry, scores, visible, weighted_values, soft_cap):
@@ -102,32 +104,44 @@ def ragged_paged_attention_reference(
     query_positions = first_query_position[row] + jnp.arange(num_tokens) - metadata.cu_q_lens[row]
     token_kv_lens = jnp.where(live, metadata.kv_lens[row], 0)  # i32[T]
 
-    def visibility(kv_positions):  # i32[B] -> bool[T, B]
-        visible = (kv_positions[None, :] <= query_positions[:, None]) & (kv_positions[None, :] < token_kv_lens[:, None])
-        if sliding_window is not None:
-            visible &= kv_positions[None, :] > query_positions[:, None] - sliding_window
-        return visible
-
-    q = q.astype(jnp.float32) * sm_scale
+    tokens = _TokenLayout(row, query_positions, token_kv_lens)
     attend = _attend_per_token if kv_read == "per_token" else _attend_per_sequence
-    out = attend(q, kv_pages, metadata.block_tables, row, token_kv_lens, visibility, soft_cap)
+    out = attend(q.astype(jnp.float32) * sm_scale, kv_pages, metadata.block_tables, tokens, sliding_window, soft_cap)
     return out.astype(q.dtype)
 
 
-def _attend_per_token(q, kv_pages, block_tables, row, token_kv_lens, visibility, soft_cap):
+class _TokenLayout(NamedTuple):
+    """Per-token facts both page readers need."""
+
+    row: jax.Array  # i32[T] sequence row of each token (clamped for padding)
+    query_positions: jax.Array  # i32[T] absolute position of each token
+    kv_lens: jax.Array  # i32[T] its sequence's kv length; 0 for padded tokens
+
+
+def _visibility(kv_positions, query_positions, kv_lens, sliding_window):  # -> bool[T, B]
+    """Causal (and optionally windowed) mask of tokens [T] over kv positions [B]."""
+    visible = (kv_positions[None, :] <= query_positions[:, None]) & (kv_positions[None, :] < kv_lens[:, None])
+    if sliding_window is not None:
+        visible &= kv_positions[None, :] > query_positions[:, None] - sliding_window
+    return visible
+
+
+def _attend_per_token(q, kv_pages, block_tables, tokens, sliding_window, soft_cap):
     """Each token gathers its own sequence's page at every step: [T, P] scores per step."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, two_k, _ = kv_pages.shape
     num_kv_heads = two_k // 2
     group = num_q_heads // num_kv_heads
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    token_block_tables = block_tables[row]  # i32[T, pages_per_seq]
+    token_block_tables = block_tables[tokens.row]  # i32[T, pages_per_seq]
 
     def attend_page(step, carry):
         page = kv_pages[token_block_tables[:, step]].astype(jnp.float32)  # [T, P, 2K, D]
         keys, values = page[:, :, 0::2, :], page[:, :, 1::2, :]  # [T, P, K, D]
         scores = jnp.einsum("tkgd,tpkd->tkgp", qg, keys)  # [T, K, G, P]
-        visible = visibility(step * page_size + jnp.arange(page_size))[:, None, None, :]
+        kv_positions = step * page_size + jnp.arange(page_size)
+        visible = _visibility(kv_positions, tokens.query_positions, tokens.kv_lens, sliding_window)
+        visible = visible[:, None, None, :]
         return _online_softmax_step(
             carry, scores, visible, lambda probs: jnp.einsum("tkgp,tpkd->tkgd", probs, values), soft_cap
         )
@@ -137,16 +151,18 @@ def _attend_per_token(q, kv_pages, block_tables, row, token_kv_lens, visibility,
         jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
         jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
     )
-    num_steps = (jnp.max(token_kv_lens) + page_size - 1) // page_size
+    num_steps = (jnp.max(tokens.kv_lens) + page_size - 1) // page_size
     _, running_sum, acc = jax.lax.fori_loop(0, num_steps, attend_page, init)
     out = acc / jnp.maximum(running_sum, 1e-30)[..., None]  # padded tokens stay 0
     return out.reshape(num_tokens, num_q_heads, head_dim)
 
 
-def _attend_per_sequence(q, kv_pages, block_tables, row, token_kv_lens, visibility, soft_cap):
-    """Every token scores a block of every sequence's pages as one matmul per KV head.
+def _attend_per_sequence(q, kv_pages, block_tables, tokens, sliding_window, soft_cap):
+    """Blocks of tokens score blocks of every sequence's pages as one matmul per KV head.
 
-    Head-major layout ([K, T * G, ...]) keeps both matmuls plain batched GEMMs on CPU.
+    Head-major layout ([K, tokens * G, ...]) keeps both matmuls plain batched GEMMs on CPU.
+    Each query block reads only the KV blocks its positions can see, which skips the
+    upper triangle of a causal prefill.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, two_k, _ = kv_pages.shape
@@ -157,35 +173,49 @@ def _attend_per_sequence(q, kv_pages, block_tables, row, token_kv_lens, visibili
     block_size = pages_per_block * page_size
     pad = -pages_per_seq % pages_per_block
     block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))  # pads with the null page
-    # [K, T * G, D], row index t * G + g
-    q_heads = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    q_heads = q_heads.reshape(num_kv_heads, num_tokens * group, head_dim)
-    own_row = row[:, None] == jnp.arange(num_rows)[None, :]  # bool[T, S]
+    q_block = _Q_BLOCK_TOKENS if num_tokens % _Q_BLOCK_TOKENS == 0 else num_tokens
+    num_q_blocks = num_tokens // q_block
+    # [num_q_blocks, K, q_block * G, D], row index t * G + g within a block
+    q_heads = q.reshape(num_q_blocks, q_block, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    q_heads = q_heads.reshape(num_q_blocks, num_kv_heads, q_block * group, head_dim)
+    blocked = jax.tree.map(lambda a: a.reshape(num_q_blocks, q_block), tokens)
 
-    def attend_block(step, carry):
-        page_ids = jax.lax.dynamic_slice_in_dim(block_tables, step * pages_per_block, pages_per_block, 1)
-        block = kv_pages[page_ids].astype(jnp.float32)  # [S, pages_per_block, P, 2K, D]
-        block = block.reshape(num_rows * block_size, num_kv_heads, 2, head_dim)
-        keys = block[:, :, 0].transpose(1, 2, 0)  # [K, D, S * B]
-        values = block[:, :, 1].transpose(1, 0, 2)  # [K, S * B, D]
-        scores = jnp.matmul(q_heads, keys)  # [K, T * G, S * B]
-        visible = own_row[:, :, None] & visibility(step * block_size + jnp.arange(block_size))[:, None, :]
-        visible = jnp.broadcast_to(
-            visible.reshape(num_tokens, 1, num_rows * block_size), (num_tokens, group, num_rows * block_size)
-        ).reshape(1, num_tokens * group, num_rows * block_size)
-        return _online_softmax_step(carry, scores, visible, lambda probs: jnp.matmul(probs, values), soft_cap)
+    def attend_query_block(inputs):
+        q_blk, block_tokens = inputs  # [K, q_block * G, D], _TokenLayout of [q_block]
+        own_row = block_tokens.row[:, None] == jnp.arange(num_rows)[None, :]  # bool[q_block, S]
+        live = block_tokens.kv_lens > 0
 
-    init = (
-        jnp.full((num_kv_heads, num_tokens * group), _MASK_VALUE, jnp.float32),
-        jnp.zeros((num_kv_heads, num_tokens * group), jnp.float32),
-        jnp.zeros((num_kv_heads, num_tokens * group, head_dim), jnp.float32),
-    )
-    num_steps = (jnp.max(token_kv_lens) + block_size - 1) // block_size
-    _, running_sum, acc = jax.lax.fori_loop(0, num_steps, attend_block, init)
-    out = acc / jnp.maximum(running_sum, 1e-30)[..., None]  # padded tokens stay 0
-    # [K, T * G, D] -> [T, K * G, D]
-    return (
-        out.reshape(num_kv_heads, num_tokens, group, head_dim)
-        .transpose(1, 0, 2, 3)
-        .reshape(num_tokens, num_q_heads, head_dim)
-    )
+        def attend_kv_block(step, carry):
+            page_ids = jax.lax.dynamic_slice_in_dim(block_tables, step * pages_per_block, pages_per_block, 1)
+            block = kv_pages[page_ids].astype(jnp.float32)  # [S, pages_per_block, P, 2K, D]
+            block = block.reshape(num_rows * block_size, num_kv_heads, 2, head_dim)
+            keys = block[:, :, 0].transpose(1, 2, 0)  # [K, D, S * B]
+            values = block[:, :, 1].transpose(1, 0, 2)  # [K, S * B, D]
+            scores = jnp.matmul(q_blk, keys)  # [K, q_block * G, S * B]
+            kv_positions = step * block_size + jnp.arange(block_size)
+            visible = _visibility(kv_positions, block_tokens.query_positions, block_tokens.kv_lens, sliding_window)
+            visible = own_row[:, :, None] & visible[:, None, :]  # [q_block, S, B]
+            visible = jnp.broadcast_to(
+                visible.reshape(q_block, 1, num_rows * block_size), (q_block, group, num_rows * block_size)
+            ).reshape(1, q_block * group, num_rows * block_size)
+            return _online_softmax_step(carry, scores, visible, lambda probs: jnp.matmul(probs, values), soft_cap)
+
+        init = (
+            jnp.full((num_kv_heads, q_block * group), _MASK_VALUE, jnp.float32),
+            jnp.zeros((num_kv_heads, q_block * group), jnp.float32),
+            jnp.zeros((num_kv_heads, q_block * group, head_dim), jnp.float32),
+        )
+        # KV blocks from the first one a live token's window reaches to the last one it sees.
+        last_position = jnp.max(jnp.where(live, block_tokens.query_positions, -1))
+        stop = (last_position + block_size) // block_size
+        start = 0
+        if sliding_window is not None:
+            first_position = jnp.min(jnp.where(live, block_tokens.query_positions, jnp.iinfo(jnp.int32).max))
+            start = jnp.clip((first_position - sliding_window + 1) // block_size, 0, stop)
+        _, running_sum, acc = jax.lax.fori_loop(start, stop, attend_kv_block, init)
+        return acc / jnp.maximum(running_sum, 1e-30)[..., None]  # padded tokens stay 0
+
+    out = jax.lax.map(attend_query_block, (q_heads, blocked))  # [num_q_blocks, K, q_block * G, D]
+    # -> [T, K * G, D]
+    out = out.reshape(num_q_blocks, num_kv_heads, q_block, group, head_dim).transpose(0, 2, 1, 3, 4)
+    return out.reshape(num_tokens, num_q_heads, head_dim)

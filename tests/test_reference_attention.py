@@ -234,3 +234,50 @@ def test_gqa_rejects_mismatched_heads():
     )
     with pytest.raises(ValueError, match="not a multiple"):
         ragged_paged_attention_reference(jnp.zeros((1, 3, 4)), jnp.zeros((2, 4, 4, 4)), metadata, sm_scale=1.0)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 100])
+def test_long_prefill_spans_several_query_blocks(sliding_window):
+    """Batches of 384+ tokens split into query blocks that skip KV blocks they cannot see."""
+    rng = np.random.default_rng(11)
+    page_size, num_kv_heads, group, head_dim = 16, 2, 2, 16
+    # A long prefill over history, and a fresh one: 300 + 84 = 384 new tokens, 3 query blocks of 128.
+    kv_lens, q_lens = [340, 84], [300, 84]
+    pages, block_tables, dense_k, dense_v, q_all, slots = _random_batch(
+        rng,
+        kv_lens=kv_lens,
+        q_lens=q_lens,
+        page_size=page_size,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        kv_dtype=jnp.float32,
+    )
+    block_tables = block_tables[:2]
+    metadata = AttentionMetadata(
+        slots=jnp.asarray(np.concatenate(slots)),
+        block_tables=jnp.asarray(block_tables),
+        cu_q_lens=jnp.asarray([0, 300, 384], jnp.int32),
+        kv_lens=jnp.asarray(kv_lens, jnp.int32),
+        num_seqs=jnp.asarray([2], jnp.int32),
+    )
+    k_new = np.concatenate([k[-n:] for k, n in zip(dense_k, q_lens, strict=True)])
+    v_new = np.concatenate([v[-n:] for v, n in zip(dense_v, q_lens, strict=True)])
+    pages = write_kv_reference(jnp.asarray(pages), jnp.asarray(k_new), jnp.asarray(v_new), metadata.slots)
+    out = np.asarray(
+        ragged_paged_attention_reference(
+            jnp.asarray(np.concatenate(q_all)),
+            pages,
+            metadata,
+            sm_scale=0.25,
+            sliding_window=sliding_window,
+            kv_read="per_sequence",
+        )
+    )
+    start = 0
+    for s, (kv_len, q_len) in enumerate(zip(kv_lens, q_lens, strict=True)):
+        expected = _dense_attention(
+            q_all[s], dense_k[s], dense_v[s], np.arange(kv_len - q_len, kv_len), 0.25, sliding_window=sliding_window
+        )
+        np.testing.assert_allclose(out[start : start + q_len], expected, rtol=2e-5, atol=2e-5)
+        start += q_len
