@@ -37,8 +37,12 @@ def forward_over_pages(
     return model.logits(hidden[logits_indices]), kv_caches
 
 
-def bucket(n: int, minimum: int = 8) -> int:
-    """The power of two at or above n (at least `minimum`), so shapes compile a bounded number of times."""
+def bucket(n: int, minimum: int = 1) -> int:
+    """The power of two at or above n (at least `minimum`), so shapes compile a bounded number of times.
+
+    Single-token decodes stay unpadded: on CPU an 8-row matmul repacks the whole weight
+    matrix and costs ~1.6x a 1-row one (measured on SmolLM2: 86 vs 53 ms a step).
+    """
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 

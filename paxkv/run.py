@@ -33,7 +33,7 @@ def complete(loaded, prompt: str, *, chat: bool, max_tokens: int, out=sys.stdout
         prompt_ids = tokenizer.encode(prompt)
     detokenizer = tokenizer.detokenizer()
     start = time.perf_counter()
-    first_token_at = None
+    first_token_at = second_token_at = None
     generated = []
     for token in greedy_tokens(
         loaded.graphdef,
@@ -43,18 +43,22 @@ def complete(loaded, prompt: str, *, chat: bool, max_tokens: int, out=sys.stdout
         max_tokens,
         stop_token_ids=loaded.generation_config.eos_token_ids,
     ):
-        first_token_at = first_token_at or time.perf_counter()
+        now = time.perf_counter()
+        if first_token_at is None:
+            first_token_at = now
+        elif second_token_at is None:
+            second_token_at = now  # the first decode step may include compilation; rate is timed after it
         generated.append(token)
         out.write(detokenizer.step(token))
         out.flush()
     out.write(detokenizer.flush() + "\n")
     end = time.perf_counter()
-    decode_tokens = len(generated) - 1
+    steady_tokens = len(generated) - 2
     return {
         "prompt_tokens": len(prompt_ids),
         "generated_tokens": len(generated),
         "time_to_first_token_s": first_token_at - start,
-        "decode_tokens_per_s": decode_tokens / (end - first_token_at) if decode_tokens else None,
+        "decode_tokens_per_s": steady_tokens / (end - second_token_at) if steady_tokens > 0 else None,
     }
 
 
