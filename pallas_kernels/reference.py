@@ -105,8 +105,14 @@ def ragged_paged_attention_reference(
     token_kv_lens = jnp.where(live, metadata.kv_lens[row], 0)  # i32[T]
 
     tokens = _TokenLayout(row, query_positions, token_kv_lens)
-    attend = _attend_per_token if kv_read == "per_token" else _attend_per_sequence
-    out = attend(q.astype(jnp.float32) * sm_scale, kv_pages, metadata.block_tables, tokens, sliding_window, soft_cap)
+    scaled_q = q.astype(jnp.float32) * sm_scale
+    if kv_read == "per_token":
+        out = _attend_per_token(scaled_q, kv_pages, metadata.block_tables, tokens, sliding_window, soft_cap)
+    else:
+        seq_kv_lens = jnp.where(jnp.arange(num_rows) < metadata.num_seqs[0], metadata.kv_lens, 0)  # i32[S]
+        out = _attend_per_sequence(
+            scaled_q, kv_pages, metadata.block_tables, seq_kv_lens, tokens, sliding_window, soft_cap
+        )
     return out.astype(q.dtype)
 
 
@@ -138,6 +144,10 @@ def _attend_per_token(q, kv_pages, block_tables, tokens, sliding_window, soft_ca
     def attend_page(step, carry):
         page = kv_pages[token_block_tables[:, step]].astype(jnp.float32)  # [T, P, 2K, D]
         keys, values = page[:, :, 0::2, :], page[:, :, 1::2, :]  # [T, P, K, D]
+        # Slots past a sequence's length (stale or null-page data, possibly NaN) must not reach
+        # the output: a zero probability times NaN is still NaN.
+        in_sequence = step * page_size + jnp.arange(page_size)[None, :] < tokens.kv_lens[:, None]  # [T, P]
+        values = jnp.where(in_sequence[:, :, None, None], values, 0.0)
         scores = jnp.einsum("tkgd,tpkd->tkgp", qg, keys)  # [T, K, G, P]
         kv_positions = step * page_size + jnp.arange(page_size)
         visible = _visibility(kv_positions, tokens.query_positions, tokens.kv_lens, sliding_window)
@@ -157,7 +167,7 @@ def _attend_per_token(q, kv_pages, block_tables, tokens, sliding_window, soft_ca
     return out.reshape(num_tokens, num_q_heads, head_dim)
 
 
-def _attend_per_sequence(q, kv_pages, block_tables, tokens, sliding_window, soft_cap):
+def _attend_per_sequence(q, kv_pages, block_tables, kv_lens, tokens, sliding_window, soft_cap):
     """Blocks of tokens score blocks of every sequence's pages as one matmul per KV head.
 
     Head-major layout ([K, tokens * G, ...]) keeps both matmuls plain batched GEMMs on CPU.
@@ -191,8 +201,12 @@ def _attend_per_sequence(q, kv_pages, block_tables, tokens, sliding_window, soft
             block = block.reshape(num_rows * block_size, num_kv_heads, 2, head_dim)
             keys = block[:, :, 0].transpose(1, 2, 0)  # [K, D, S * B]
             values = block[:, :, 1].transpose(1, 0, 2)  # [K, S * B, D]
-            scores = jnp.matmul(q_blk, keys)  # [K, q_block * G, S * B]
+            # Zero slots past each sequence's length: stale or null-page data (maybe NaN) would
+            # otherwise leak through zero probabilities into every token's output.
             kv_positions = step * block_size + jnp.arange(block_size)
+            in_sequence = (kv_positions[None, :] < kv_lens[:, None]).reshape(1, num_rows * block_size, 1)
+            values = jnp.where(in_sequence, values, 0.0)
+            scores = jnp.matmul(q_blk, keys)  # [K, q_block * G, S * B]
             visible = _visibility(kv_positions, block_tokens.query_positions, block_tokens.kv_lens, sliding_window)
             visible = own_row[:, :, None] & visible[:, None, :]  # [q_block, S, B]
             visible = jnp.broadcast_to(

@@ -176,7 +176,8 @@ def test_sliding_window_matches_dense(kv_read):
 
 
 @pytest.mark.parametrize("chunk_sizes", [[1] * 19, [5, 5, 5, 4], [16, 3], [7, 1, 11]])
-def test_chunked_prefill_equals_one_prefill(chunk_sizes):
+@pytest.mark.parametrize("kv_read", ["per_token", "per_sequence"])
+def test_chunked_prefill_equals_one_prefill(chunk_sizes, kv_read):
     rng = np.random.default_rng(len(chunk_sizes))
     page_size, num_kv_heads, group, head_dim, length = 8, 2, 2, 16, 19
     table = np.array([5, 2, 7], np.int32)
@@ -194,14 +195,11 @@ def test_chunked_prefill_equals_one_prefill(chunk_sizes):
             kv_lens=jnp.asarray([stop], jnp.int32),
             num_seqs=jnp.asarray([1], jnp.int32),
         )
-        return paged_attention(
-            jnp.asarray(q[start:stop]),
-            jnp.asarray(k[start:stop]),
-            jnp.asarray(v[start:stop]),
-            pages,
-            metadata,
-            sm_scale=0.25,
+        pages = write_kv_reference(pages, jnp.asarray(k[start:stop]), jnp.asarray(v[start:stop]), metadata.slots)
+        out = ragged_paged_attention_reference(
+            jnp.asarray(q[start:stop]), pages, metadata, sm_scale=0.25, kv_read=kv_read
         )
+        return out, pages
 
     whole_out, whole_pages = run(empty, 0, length)
     pages, outs, start = empty, [], 0
@@ -281,3 +279,48 @@ def test_long_prefill_spans_several_query_blocks(sliding_window):
         )
         np.testing.assert_allclose(out[start : start + q_len], expected, rtol=2e-5, atol=2e-5)
         start += q_len
+
+
+@pytest.mark.parametrize("kv_read", ["per_token", "per_sequence"])
+def test_nan_in_unused_slots_never_reaches_live_tokens(kv_read):
+    """Garbage (NaN) in the null page, in free pages and past each length stays out of every output."""
+    rng = np.random.default_rng(3)
+    page_size, num_kv_heads, group, head_dim = 8, 2, 2, 16
+    kv_lens, q_lens = [13, 5, 9], [13, 1, 2]
+    pages, block_tables, dense_k, dense_v, q_all, slots = _random_batch(
+        rng,
+        kv_lens=kv_lens,
+        q_lens=q_lens,
+        page_size=page_size,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        kv_dtype=jnp.float32,
+    )
+    pages[:] = np.nan  # every slot not written below is garbage
+    flat = pages.reshape(-1, 2 * num_kv_heads, head_dim)
+    for s, kv_len in enumerate(kv_lens):
+        positions = np.arange(kv_len)
+        seq_slots = block_tables[s][positions // page_size] * page_size + positions % page_size
+        flat[seq_slots, 0::2] = dense_k[s]
+        flat[seq_slots, 1::2] = dense_v[s]
+    num_tokens = sum(q_lens)
+    padded = 32
+    q = np.zeros((padded, num_kv_heads * group, head_dim), np.float32)
+    q[:num_tokens] = np.concatenate(q_all)
+    cu = np.full(PADDED_SEQS + 1, num_tokens, np.int32)
+    cu[: len(q_lens) + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    metadata = AttentionMetadata(
+        slots=jnp.zeros(padded, jnp.int32),  # unused: nothing is written here
+        block_tables=jnp.asarray(block_tables),  # padded entries point at the NaN null page
+        cu_q_lens=jnp.asarray(cu),
+        kv_lens=jnp.asarray(kv_lens + [0] * (PADDED_SEQS - len(kv_lens)), jnp.int32),
+        num_seqs=jnp.asarray([len(kv_lens)], jnp.int32),
+    )
+    out = np.asarray(
+        ragged_paged_attention_reference(jnp.asarray(q), jnp.asarray(pages), metadata, sm_scale=0.25, kv_read=kv_read)
+    )
+    assert np.isfinite(out).all()
+    for s, (kv_len, q_len) in enumerate(zip(kv_lens, q_lens, strict=True)):
+        expected = _dense_attention(q_all[s], dense_k[s], dense_v[s], np.arange(kv_len - q_len, kv_len), 0.25)
+        np.testing.assert_allclose(out[cu[s] : cu[s + 1]], expected, rtol=2e-5, atol=2e-5)
