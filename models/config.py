@@ -46,7 +46,8 @@ class ModelConfig:
     rope_scaling: RopeScaling = RopeScaling()
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    qkv_bias: bool = False  # Qwen2
+    qkv_bias: bool = False  # Qwen2, or attention_bias
+    o_bias: bool = False  # attention_bias on Llama, Mistral and Qwen3 (Qwen2 has none on o_proj)
     qk_norm: bool = False  # Qwen3
     sliding_window: int | None = None  # Mistral
 
@@ -80,21 +81,27 @@ class ModelConfig:
           hf: the parsed config.json of a Llama, Mistral, Qwen2 or Qwen3 checkpoint.
         """
         model_type = _hf_model_type(hf)
+        missing = [key for key in _REQUIRED_HF_KEYS if hf.get(key) is None]
+        if missing:
+            raise CheckpointError(
+                f"config.json lacks {missing}; it is incomplete, re-download it from the model's repository"
+            )
         if hf.get("mlp_bias"):
             raise CheckpointError("mlp_bias=true is not supported by paxkv's Llama implementation")
         num_heads = int(hf["num_attention_heads"])
         hidden_size = int(hf["hidden_size"])
+        num_layers = int(hf["num_hidden_layers"])
         rope_theta, rope_scaling = _hf_rope(hf)
         sliding_window = hf.get("sliding_window")
-        if model_type == "qwen2" or model_type == "qwen3":
-            # Qwen configs carry a sliding_window that only applies when use_sliding_window is set.
-            sliding_window = sliding_window if hf.get("use_sliding_window") else None
+        if model_type in ("qwen2", "qwen3"):
+            sliding_window = _qwen_sliding_window(hf, num_layers)
+        attention_bias = bool(hf.get("attention_bias", False))
         return cls(
             model_type=model_type,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden_size,
             intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(hf.get("head_dim") or hidden_size // num_heads),
@@ -103,7 +110,8 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
             qk_norm=model_type == "qwen3",
             sliding_window=int(sliding_window) if sliding_window else None,
         )
@@ -172,6 +180,21 @@ def load_hf_config(path) -> dict[str, Any]:
         ) from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} is not valid JSON ({e}); re-download or re-save the checkpoint") from None
+
+
+_REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _qwen_sliding_window(hf: dict[str, Any], num_layers: int) -> int | None:
+    """Qwen's window applies only when use_sliding_window is set, and only to layers >= max_window_layers."""
+    if not hf.get("use_sliding_window") or not hf.get("sliding_window"):
+        return None
+    if int(hf.get("max_window_layers", num_layers)) >= num_layers:
+        return None  # no layer reaches the windowed range
+    raise CheckpointError(
+        "use_sliding_window=true with max_window_layers below num_hidden_layers gives some layers a window "
+        "and others none, which paxkv does not support; set use_sliding_window=false (the Qwen default)"
+    )
 
 
 def _hf_model_type(hf: dict[str, Any]) -> str:

@@ -5,6 +5,8 @@ import json
 import os
 from typing import Any
 
+from models.errors import CheckpointError
+
 
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
@@ -46,6 +48,11 @@ class GenerationConfig:
         file = os.path.join(path, "generation_config.json")
         values = dict(hf_config)
         if os.path.exists(file):
-            with open(file) as f:
-                values.update(json.load(f))
+            try:
+                with open(file) as f:
+                    values.update(json.load(f))
+            except json.JSONDecodeError as e:
+                raise CheckpointError(
+                    f"{file} is not valid JSON ({e}); fix it, re-download it, or delete it to use config.json's ids"
+                ) from None
         return cls.from_dict(values)

@@ -76,6 +76,12 @@ class GGUFCheckpoint:
             name = hf_name(tensor.name)
             if name is not None:
                 self.tensors[name] = tensor
+        arch = self.metadata.get("general.architecture")
+        if self.metadata.get(f"{arch}.expert_count"):
+            raise CheckpointError(
+                f"{path} is a mixture-of-experts model ({self.metadata[f'{arch}.expert_count']} experts), "
+                "which paxkv does not support; use a dense Llama, Qwen2 or Qwen3 model"
+            )
         embedding = self.tensors.get("model.embed_tokens.weight")
         if embedding is None:
             raise CheckpointError(f"{path} has no token_embd.weight tensor; it is not a complete model file")
@@ -98,7 +104,13 @@ class GGUFCheckpoint:
         # A plain in-memory copy of the (small, quantized) bytes: dequantizing straight from the
         # memmap pays numpy's memmap bookkeeping on every row slice, several seconds per model.
         raw = np.array(tensor.data, copy=True, subok=False)
-        array = quants.dequantize(raw, tensor.tensor_type)
+        try:
+            array = quants.dequantize(raw, tensor.tensor_type)
+        except NotImplementedError:
+            raise CheckpointError(
+                f"{self.path}: tensor {tensor.name} is quantized as {tensor.tensor_type.name}, which the gguf "
+                "package cannot dequantize; use a GGUF quantized as F16, Q8_0 or Q4_K, or the HF safetensors"
+            ) from None
         array = np.asarray(array, np.float32).reshape(tuple(reversed([int(d) for d in tensor.shape])))
         if self.architecture == "llama":
             if name.endswith("self_attn.q_proj.weight"):

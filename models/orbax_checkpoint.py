@@ -10,6 +10,7 @@ from flax import nnx
 from models.config import ModelConfig
 from models.errors import CheckpointError
 from models.generation_config import GenerationConfig
+from models.loaded_model import LoadedModel, abstract_model, check_tokenizer_file
 from models.sharding import restore_target, state_shardings
 from models.tokenizer import Tokenizer
 
@@ -51,8 +52,6 @@ def load_orbax(directory: str, model_kwargs: dict, *, mesh=None, sharding_rules=
 
     Each device reads only its own shards, so no host holds the whole model at once.
     """
-    from models.loading import LoadedModel, abstract_model, check_tokenizer_file
-
     try:
         with open(os.path.join(directory, MARKER)) as f:
             manifest = json.load(f)
@@ -62,6 +61,11 @@ def load_orbax(directory: str, model_kwargs: dict, *, mesh=None, sharding_rules=
         raise CheckpointError(
             f"{directory} has checkpoint format {manifest.get('format_version')}, this paxkv reads "
             f"{FORMAT_VERSION}; re-run scripts/convert_checkpoint.py"
+        )
+    if not {"config", "generation_config"} <= manifest.keys():
+        raise CheckpointError(
+            f"{directory}/{MARKER} lacks the model config; the checkpoint is incomplete, "
+            "re-run scripts/convert_checkpoint.py"
         )
     config = ModelConfig.from_dict(manifest["config"])
     check_tokenizer_file(directory, require_tokenizer)

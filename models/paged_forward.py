@@ -75,6 +75,8 @@ class PagedSequence:
             default pages 1, 2, 3, ...
           kv_dtype: storage dtype of the pool.
         """
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens}; a sequence must hold at least one token")
         num_needed = -(-max_tokens // page_size)
         if block_table is None:
             block_table = list(range(1, num_needed + 1))

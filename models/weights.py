@@ -1,6 +1,5 @@
 """Map HF-named checkpoint tensors onto the NNX Llama state, checking every name and shape."""
 
-import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -49,6 +48,8 @@ def hf_weight_map(config: ModelConfig) -> dict[tuple, tuple[str, tuple[int, ...]
                     (heads * h,),
                     lambda w, heads=heads: w.reshape(heads, h),
                 )
+        if config.o_bias:
+            mapping[ours + ("attention", "o_bias")] = (hf + "self_attn.o_proj.bias", (d,), identity)
         if config.qk_norm:
             mapping[ours + ("attention", "q_norm", "weight")] = (hf + "self_attn.q_norm.weight", (h,), identity)
             mapping[ours + ("attention", "k_norm", "weight")] = (hf + "self_attn.k_norm.weight", (h,), identity)
@@ -81,9 +82,16 @@ def params_from_hf_tensors(
             f"{source} lacks {len(missing)} tensors the config implies ({shown}); "
             "the checkpoint is incomplete or does not match its config.json"
         )
-    unused = sorted(n for n in tensor_names - needed if not n.endswith(_IGNORED_SUFFIXES))
-    if unused:
-        logging.warning("%s: ignoring %d unexpected tensors, e.g. %s", source, len(unused), unused[:3])
+    ignorable = _IGNORED_SUFFIXES + (("lm_head.weight",) if config.tie_word_embeddings else ())
+    unexpected = sorted(n for n in tensor_names - needed if not n.endswith(ignorable))
+    if unexpected:
+        # A tensor we would drop is a part of the architecture we do not implement: refuse
+        # rather than run a different model.
+        raise CheckpointError(
+            f"{source} has {len(unexpected)} tensors paxkv's {config.model_type} model does not use "
+            f"(e.g. {unexpected[:3]}); the checkpoint has features paxkv does not implement or its "
+            "config.json does not describe it"
+        )
     params = {}
     for path, (hf_name, hf_shape, convert) in mapping.items():
         array = read_tensor(hf_name)

@@ -261,3 +261,46 @@ def test_orbax_without_params(tmp_path):
     write_orbax_marker(tmp_path / "ckpt")
     with pytest.raises(CheckpointError, match=r"cannot restore orbax params from .*re-run scripts/convert_checkpoint"):
         models.load(tmp_path / "ckpt", require_tokenizer=False)
+
+
+def test_unexpected_tensor_is_refused(tmp_path):
+    """A tensor the model would drop (here an o_proj bias the config does not declare) is an error."""
+    tensors = tiny_tensors(TINY_CONFIG)
+    tensors["model.layers.0.self_attn.o_proj.bias"] = np.zeros(TINY_CONFIG["hidden_size"], np.float32)
+    directory = write_hf_dir(tmp_path / "m", tensors=tensors)
+    with pytest.raises(CheckpointError, match=r"1 tensors .*does not use .*o_proj\.bias.*does not implement"):
+        models.load(directory, require_tokenizer=False)
+
+
+def test_config_missing_a_required_key(tmp_path):
+    config = {k: v for k, v in TINY_CONFIG.items() if k != "intermediate_size"}
+    directory = write_hf_dir(tmp_path / "m", config=config)
+    with pytest.raises(CheckpointError, match=r"lacks \['intermediate_size'\].*re-download"):
+        models.load(directory, require_tokenizer=False)
+
+
+def test_qwen_partial_sliding_window_is_refused():
+    hf = dict(
+        TINY_CONFIG,
+        architectures=["Qwen2ForCausalLM"],
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+    )
+    with pytest.raises(CheckpointError, match="max_window_layers.*set use_sliding_window=false"):
+        ModelConfig.from_hf_config(hf)
+
+
+def test_generation_config_that_is_not_json(tmp_path):
+    directory = write_hf_dir(tmp_path / "m")
+    (tmp_path / "m" / "generation_config.json").write_text("{oops")
+    with pytest.raises(CheckpointError, match=r"generation_config\.json is not valid JSON.*delete it"):
+        models.load(directory, require_tokenizer=False)
+
+
+def test_scoring_an_empty_prompt(tmp_path):
+    loaded = models.load(write_hf_dir(tmp_path / "m"), require_tokenizer=False)
+    with pytest.raises(ValueError, match="at least one token"):
+        loaded.score([])
+    with pytest.raises(ValueError, match="prompt is empty"):
+        loaded.greedy_generate([], 4)
