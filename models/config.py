@@ -50,6 +50,8 @@ class ModelConfig:
     o_bias: bool = False  # attention_bias on Llama, Mistral and Qwen3 (Qwen2 has none on o_proj)
     qk_norm: bool = False  # Qwen3
     sliding_window: int | None = None  # Mistral
+    # Per-frequency divisors, as llama.cpp stores Llama 3.1+ rope scaling (GGUF tensor rope_freqs).
+    rope_freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -71,6 +73,8 @@ class ModelConfig:
         """Inverse of to_dict."""
         values = dict(values)
         values["rope_scaling"] = RopeScaling(**values.get("rope_scaling", {}))
+        if values.get("rope_freq_factors") is not None:
+            values["rope_freq_factors"] = tuple(values["rope_freq_factors"])
         return cls(**values)
 
     @classmethod

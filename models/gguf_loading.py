@@ -1,5 +1,6 @@
 """Read a GGUF file: metadata, dequantized tensors under HF names, q/k permutation undone."""
 
+import dataclasses
 import re
 from typing import Any
 
@@ -72,10 +73,18 @@ class GGUFCheckpoint:
         for key, field in self.reader.fields.items():
             self.metadata[key] = field.contents()
         self.tensors = {}
+        rope_freqs = None
         for tensor in self.reader.tensors:
             name = hf_name(tensor.name)
             if name is not None:
                 self.tensors[name] = tensor
+            elif tensor.name == "rope_freqs.weight":
+                rope_freqs = tensor
+            else:
+                raise CheckpointError(
+                    f"{path} holds tensor {tensor.name}, which paxkv's Llama-family model does not use; "
+                    "the file has features paxkv does not implement"
+                )
         arch = self.metadata.get("general.architecture")
         if self.metadata.get(f"{arch}.expert_count"):
             raise CheckpointError(
@@ -90,6 +99,9 @@ class GGUFCheckpoint:
             vocab_size=int(embedding.shape[-1]),  # GGUF shapes are innermost-first
             tie_word_embeddings="lm_head.weight" not in self.tensors,
         )
+        if rope_freqs is not None:  # Llama 3.1+ rope scaling, as llama.cpp's converter stores it
+            factors = np.asarray(rope_freqs.data, np.float32).reshape(-1)
+            self.config = dataclasses.replace(self.config, rope_freq_factors=tuple(float(f) for f in factors))
 
     @property
     def architecture(self) -> str:

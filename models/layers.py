@@ -57,6 +57,7 @@ class PagedAttention(nnx.Module):
         self.attention_impl = attention_impl
         self.rope_theta = config.rope_theta
         self.rope_scaling = config.rope_scaling
+        self.rope_freq_factors = config.rope_freq_factors
         self.q_proj = init_param(rngs, (d, n, h), param_dtype, ("embed", "q_heads", "head_dim"))
         self.k_proj = init_param(rngs, (d, k, h), param_dtype, ("embed", "kv_heads", "head_dim"))
         self.v_proj = init_param(rngs, (d, k, h), param_dtype, ("embed", "kv_heads", "head_dim"))
@@ -92,7 +93,9 @@ class PagedAttention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # A trace-time constant: the frequencies depend only on the static config.
-        inv_freq = jnp.asarray(rope_inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling))
+        inv_freq = jnp.asarray(
+            rope_inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling, self.rope_freq_factors)
+        )
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, kv_pages = paged_attention(
             q,

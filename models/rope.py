@@ -9,13 +9,16 @@ import numpy as np
 from models.config import RopeScaling
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+def rope_inverse_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling, freq_factors: tuple[float, ...] | None = None
+) -> np.ndarray:
     """Per-pair rotation frequencies, f32[head_dim // 2], as HF computes them.
 
     Args:
       head_dim: size of one attention head (rotated in full).
       theta: the rope base.
       scaling: the frequency scaling of the checkpoint.
+      freq_factors: optional per-pair divisors (llama.cpp's rope_freqs), applied after scaling.
     """
     exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
     inv_freq = 1.0 / (theta**exponents)
@@ -23,6 +26,10 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) 
         inv_freq = inv_freq / scaling.factor
     elif scaling.rope_type == "llama3":
         inv_freq = _llama3_scaled(inv_freq, scaling)
+    if freq_factors is not None:
+        if len(freq_factors) != len(inv_freq):
+            raise ValueError(f"{len(freq_factors)} rope frequency factors for {len(inv_freq)} frequencies")
+        inv_freq = inv_freq / np.asarray(freq_factors, np.float64)
     return inv_freq.astype(np.float32)
 
 
