@@ -109,7 +109,11 @@ class GGUFCheckpoint:
         return self.metadata["general.architecture"]
 
     def read_tensor(self, name: str) -> np.ndarray:
-        """One tensor by HF name, dequantized to f32 in HF layout."""
+        """One tensor by HF name, dequantized to f32 in HF layout (q/k rows un-permuted for llama).
+
+        Args:
+          name: an HF tensor name, e.g. model.layers.0.self_attn.q_proj.weight.
+        """
         from gguf import quants
 
         tensor = self.tensors[name]

@@ -19,7 +19,14 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = RMSNorm(config.hidden_size, **norm)
         self.mlp = GatedMLP(config, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, positions, kv_pages, metadata):
+    def __call__(
+        self,
+        x: jax.Array,  # [T, D]
+        positions: jax.Array,  # i32[T]
+        kv_pages: jax.Array,  # [num_pages, page_size, 2K, H]
+        metadata: AttentionMetadata,
+    ) -> tuple[jax.Array, jax.Array]:  # ([T, D], kv_pages)
+        """Attend (writing this step's K/V into the pages), then the MLP, each around a residual."""
         attended, kv_pages = self.attention(self.input_norm(x), positions, kv_pages, metadata)
         x = x + attended
         x = x + self.mlp(self.post_attention_norm(x))

@@ -51,6 +51,13 @@ def load_orbax(directory: str, model_kwargs: dict, *, mesh=None, sharding_rules=
     """Restore a checkpoint written by save_orbax, onto `mesh` shardings when given.
 
     Each device reads only its own shards, so no host holds the whole model at once.
+
+    Args:
+      directory: the checkpoint folder.
+      model_kwargs: param_dtype, compute_dtype and attention_impl for the model.
+      mesh: optional device mesh; default: the first device.
+      sharding_rules: logical axis -> mesh axis.
+      require_tokenizer: fail when the folder has no tokenizer.json.
     """
     try:
         with open(os.path.join(directory, MARKER)) as f:

@@ -13,7 +13,14 @@ from pallas_kernels import AttentionMetadata
 
 
 def allocate_kv_caches(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32) -> list[jax.Array]:
-    """Zeroed page pools, one per layer, each [num_pages, page_size, 2 * num_kv_heads, head_dim]."""
+    """Zeroed page pools, one per layer, each [num_pages, page_size, 2 * num_kv_heads, head_dim].
+
+    Args:
+      config: the model whose layers and KV heads size the pools.
+      num_pages: pages per layer, including the null page 0.
+      page_size: tokens per page.
+      dtype: storage dtype of K/V.
+    """
     shape = (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
     return [jnp.zeros(shape, dtype) for _ in range(config.num_layers)]
 
@@ -31,6 +38,13 @@ def forward_over_pages(
     """One ragged forward pass: write the new K/V, attend, and return logits of chosen rows.
 
     A plain jax.jit over (graphdef, state): nnx.jit costs ~20 ms a call in dispatch.
+
+    Args:
+      graphdef, state: the split NNX model (graphdef is static).
+      tokens, positions: the new tokens of every sequence, padded to a bucket.
+      kv_caches: the page pools, donated and returned updated.
+      metadata: slots, block tables and lengths of the ragged batch.
+      logits_indices: which rows' logits to compute.
     """
     model = nnx.merge(graphdef, state)
     hidden, kv_caches = model(tokens, positions, kv_caches, metadata)
@@ -91,7 +105,12 @@ class PagedSequence:
         self.num_tokens = 0
 
     def feed(self, token_ids, *, all_logits: bool = True) -> np.ndarray:  # f32[n or 1, vocab]
-        """Append tokens to the sequence; return the logits at each of them, or only at the last."""
+        """Append tokens to the sequence; return the logits at each of them, or only at the last.
+
+        Args:
+          token_ids: one or more new tokens (a prefill chunk or a decode token).
+          all_logits: return logits for every fed token, else only the last.
+        """
         token_ids = np.asarray(token_ids, np.int32).reshape(-1)
         n = len(token_ids)
         if n == 0:

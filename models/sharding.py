@@ -20,7 +20,15 @@ DEFAULT_SHARDING_RULES: dict[str, str | None] = {
 def logical_partition_spec(
     logical_axes, shape, mesh: Mesh, rules: dict[str, str | None], *, name: str = ""
 ) -> PartitionSpec:
-    """Map one parameter's logical axes to a PartitionSpec, replicating dims the mesh cannot split."""
+    """Map one parameter's logical axes to a PartitionSpec, replicating dims the mesh cannot split.
+
+    Args:
+      logical_axes: one logical axis name (or None) per dimension.
+      shape: the parameter's shape.
+      mesh: the device mesh.
+      rules: logical axis -> mesh axis.
+      name: the parameter's path, for logs and errors.
+    """
     spec = []
     used = set()
     for axis_name, size in zip(logical_axes, shape, strict=True):
@@ -72,7 +80,12 @@ def state_shardings(
 
 
 def restore_target(abstract_state: nnx.State, shardings: dict[tuple, jax.sharding.Sharding]) -> dict:
-    """The nested dict of sharded ShapeDtypeStructs that orbax restores onto."""
+    """The nested dict of sharded ShapeDtypeStructs that orbax restores onto.
+
+    Args:
+      abstract_state: the model's abstract state.
+      shardings: state path -> sharding (see state_shardings).
+    """
     target = {}
     for path, variable in nnx.to_flat_state(abstract_state):
         value = variable.get_value()

@@ -12,7 +12,11 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def hf_weight_map(config: ModelConfig) -> dict[tuple, tuple[str, tuple[int, ...], Callable]]:
-    """Our state path -> (HF tensor name, its HF shape, HF array -> our layout)."""
+    """Our state path -> (HF tensor name, its HF shape, HF array -> our layout).
+
+    Args:
+      config: the model's config, which decides the names and shapes expected.
+    """
     d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     n, k, h = config.num_heads, config.num_kv_heads, config.head_dim
     identity = lambda w: w  # noqa: E731

@@ -10,26 +10,27 @@ ATTENTION_IMPLS = ("auto", "pallas", "interpret", "xla")
 _AVAILABLE_IMPLS = ("xla",)
 
 
-def resolve_attention_impl(attention_impl: str = "auto", backend: str | None = None) -> str:
-    """Turn `auto` into a concrete implementation for `backend` (default: JAX's backend).
+def resolve_attention_impl(attention_impl: str = "auto") -> str:
+    """Turn a configured implementation name into the one that will run.
+
+    In this version only the XLA reference path exists, so `auto` resolves to it on
+    every backend, and asking for the Pallas kernels is a clear error rather than a
+    silent fallback. (With the kernels, `auto` will pick TPU/GPU Pallas from the backend.)
 
     Args:
       attention_impl: one of auto, pallas, interpret, xla.
-      backend: a JAX platform name such as cpu, gpu or tpu.
     """
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(
             f"attention_impl={attention_impl!r} is not one of {ATTENTION_IMPLS}; use 'auto' to pick from the backend"
         )
     if attention_impl == "auto":
-        # Until the Pallas kernels land every backend runs the XLA reference path.
         return "xla"
     if attention_impl not in _AVAILABLE_IMPLS:
         raise ValueError(
             f"attention_impl={attention_impl!r} is not available in this version of pallas_kernels; "
             "use attention_impl='xla' (or 'auto')"
         )
-    del backend
     return attention_impl
 
 

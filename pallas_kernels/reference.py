@@ -20,7 +20,13 @@ def write_kv_reference(
     v: jax.Array,  # [T, K, D]
     slots: jax.Array,  # i32[T]
 ) -> jax.Array:
-    """Scatter new K/V into their slots; K sits at even head slots and V at odd ones."""
+    """Scatter new K/V into their slots; K sits at even head slots and V at odd ones.
+
+    Args:
+      kv_pages: one layer's page pool.
+      k, v: the new tokens' keys and values.
+      slots: page * page_size + offset for each token; padding points into the null page 0.
+    """
     num_pages, page_size, two_k, head_dim = kv_pages.shape
     num_tokens, num_kv_heads, _ = k.shape
     # [T, 2K, D] interleaved as k0, v0, k1, v1, ...
@@ -31,7 +37,12 @@ def write_kv_reference(
 
 
 def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
-    """The sequence row each token belongs to; padded tokens get the row after the last."""
+    """The sequence row each token belongs to; padded tokens get the row after the last.
+
+    Args:
+      cu_q_lens: i32[S + 1] cumulative new-token counts.
+      num_tokens: T, the padded token count.
+    """
     token_index = jnp.arange(num_tokens, dtype=jnp.int32)
     # i32[T]: number of sequence ends at or before each token.
     return jnp.searchsorted(cu_q_lens[1:], token_index, side="right").astype(jnp.int32)

@@ -23,7 +23,15 @@ flags.DEFINE_string("metrics_json", None, "Write load time and token rates to th
 
 
 def complete(loaded, prompt: str, *, chat: bool, max_tokens: int, out=sys.stdout) -> dict:
-    """Stream one greedy completion to `out` and return its timings."""
+    """Stream one greedy completion to `out` and return its timings.
+
+    Args:
+      loaded: a models.LoadedModel with a tokenizer.
+      prompt: the user's text.
+      chat: wrap the prompt as a user message in the chat template.
+      max_tokens: the most tokens to generate.
+      out: where the text streams.
+    """
     from models import greedy_tokens
 
     tokenizer = loaded.tokenizer
@@ -64,6 +72,9 @@ def complete(loaded, prompt: str, *, chat: bool, max_tokens: int, out=sys.stdout
 
 def main(argv):
     del argv
+    if not FLAGS["verbosity"].present:
+        # Quiet by default: library INFO lines (e.g. JAX probing for a TPU) are noise; --verbosity=0 shows them.
+        logging.set_verbosity(logging.WARNING)
     from models import CheckpointError, load
     from paxkv.compilation_cache import enable_compilation_cache
 
