@@ -1,0 +1,83 @@
+"""Host state of one request: its tokens, sampling params, status, block table and progress through the KV cache."""
+
+import dataclasses
+import enum
+import time
+
+from paxkv.sampling_params import SamplingParams
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is: queued for pages, holding pages and being stepped, or done."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request's host state; the scheduler owns every field after add_request.
+
+    The KV of all_token_ids[:num_computed_tokens] lies in the pages of block_table. The last output token is
+    appended before its KV is computed, so a decoding request has exactly one uncomputed token.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    block_table: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Set by Scheduler.add_request; the scheduler orders and preempts by it, never by arrival_time.
+    arrival_index: int = -1
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    num_preemptions: int = 0
+
+    def __post_init__(self):
+        """Copy the prompt into a list of ints so callers' lists are never shared."""
+        self.prompt_token_ids = [int(token_id) for token_id in self.prompt_token_ids]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """The prompt followed by the output tokens so far."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """The number of prompt plus output tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The number of prompt tokens."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """The number of tokens generated so far."""
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """The number of tokens whose KV is not yet in the pages: the rest of the prompt, or 1 when decoding."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether the request has finished, for any reason."""
+        return self.status is RequestStatus.FINISHED
+
+    @staticmethod
+    def num_pages_needed(page_size: int, num_tokens: int) -> int:
+        """Returns how many pages hold `num_tokens` tokens.
+
+        Args:
+          page_size: tokens per page; positive.
+          num_tokens: tokens to hold; not negative.
+        """
+        return -(-num_tokens // page_size)

@@ -1,0 +1,320 @@
+"""Continuous batching on the host: chunked prefill and decodes under token and sequence budgets; preemption."""
+
+import collections
+import dataclasses
+import logging
+from collections.abc import Iterable, Mapping
+
+from paxkv.page_allocator import PageAllocator
+from paxkv.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSequence:
+    """One sequence's share of a step: the tokens whose KV it computes now, and where that KV goes."""
+
+    request: Request
+    token_ids: list[int]  # [num_new_tokens]
+    positions: list[int]  # [num_new_tokens], contiguous from the request's num_computed_tokens before the step
+    slots: list[int]  # [num_new_tokens], page * page_size + offset
+    block_table: list[int]  # [num_pages], a copy: the pages the sequence reads, covering kv_len tokens
+    kv_len: int  # tokens in the pages after this step: num_computed_tokens + num_new_tokens
+    # Whether this chunk reaches the last known token, so the step samples one token after it (decodes always do).
+    completes_prompt: bool
+
+    @property
+    def num_new_tokens(self) -> int:
+        """The number of tokens computed for this sequence in this step."""
+        return len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledBatch:
+    """One engine step: sequences in row order (running ones oldest first, then newly admitted ones) and totals."""
+
+    sequences: list[ScheduledSequence]
+    num_batched_tokens: int
+    # Requests preempted by recompute while building this batch, newest first.
+    preempted_request_ids: list[str]
+
+    @property
+    def num_seqs(self) -> int:
+        """The number of sequences in the batch."""
+        return len(self.sequences)
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether nothing was scheduled."""
+        return not self.sequences
+
+
+class Scheduler:
+    """FIFO continuous batching: running requests first, then waiting ones, preempting the newest when out of pages."""
+
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        *,
+        page_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+    ):
+        """Creates a scheduler that hands out pages of `allocator`.
+
+        Args:
+          allocator: the page pool; the scheduler is its only user.
+          page_size: tokens per page.
+          max_num_seqs: the most sequences in one step (and running at once).
+          max_num_batched_tokens: the most new tokens in one step, prefill chunks and decodes together.
+          max_model_len: the most tokens (prompt plus output) one request may reach.
+          eos_token_ids: tokens that stop a request unless its sampling params say ignore_eos.
+        """
+        for name, value in (
+            ("page_size", page_size),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(int(token_id) for token_id in eos_token_ids)
+        # Every waiting request arrived after every running one: admission is FIFO and the newest running is
+        # preempted to the front of the queue. So both lists stay in arrival order.
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._num_arrivals = 0
+        self._unfinished: dict[str, Request] = {}
+
+    @property
+    def num_waiting(self) -> int:
+        """The number of requests queued for admission, preempted ones included."""
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """The number of requests holding pages."""
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        """Returns whether any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request, or raises ValueError (leaving the scheduler unchanged) if it can never fit.
+
+        Args:
+          request: a fresh request: WAITING, no output, no pages; its request_id unique among unfinished ones.
+        """
+        if request.request_id in self._unfinished:
+            raise ValueError(f"request_id {request.request_id!r} is already queued or running; use a unique id")
+        if request.status is not RequestStatus.WAITING or request.block_table or request.num_computed_tokens:
+            raise ValueError(
+                f"request {request.request_id!r} is not fresh (status {request.status.name}); make a new one"
+            )
+        num_prompt_tokens = request.num_prompt_tokens
+        if num_prompt_tokens == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt; give at least one prompt token")
+        max_tokens = request.sampling_params.max_tokens
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r} has {num_prompt_tokens} prompt tokens + max_tokens {max_tokens} = "
+                f"{num_prompt_tokens + max_tokens} tokens but max_model_len is {self.max_model_len}; "
+                "shorten the prompt, lower max_tokens or raise max_model_len"
+            )
+        num_pages = Request.num_pages_needed(self.page_size, num_prompt_tokens + max_tokens)
+        if num_pages > self.allocator.num_total_pages:
+            raise ValueError(
+                f"request {request.request_id!r} needs up to {num_pages} pages of {self.page_size} tokens "
+                f"({num_prompt_tokens} prompt tokens + max_tokens {max_tokens}) but the pool has only "
+                f"{self.allocator.num_total_pages}; raise num_pages, or shorten the prompt or lower max_tokens"
+            )
+        request.arrival_index = self._num_arrivals
+        self._num_arrivals += 1
+        self._unfinished[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> ScheduledBatch:
+        """Picks this step's sequences and tokens, allocating their pages and preempting when the pool runs dry."""
+        token_budget = self.max_num_batched_tokens
+        sequences: list[ScheduledSequence] = []
+        preempted: list[str] = []
+
+        # Running requests, oldest first: each continues its prefill or decodes one token.
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
+            assert num_new_tokens > 0, f"request {request.request_id!r} has nothing to compute; call update first"
+            while not self._can_grow(request, num_new_tokens):
+                victim = self.running[-1]
+                if victim is request and index == 0:
+                    raise RuntimeError(
+                        f"request {request.request_id!r} cannot get pages even alone in the pool; "
+                        "add_request should have rejected it"
+                    )
+                self.preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            sequences.append(self._grow(request, num_new_tokens))
+            token_budget -= num_new_tokens
+            index += 1
+
+        # Waiting requests in FIFO order; the first that does not fit blocks the rest, so none overtakes another.
+        # After a preemption the pool is tight: admitting now would only start a request to preempt it again.
+        while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            request = self.waiting[0]
+            num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
+            if not self._can_grow(request, num_new_tokens):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            sequences.append(self._grow(request, num_new_tokens))
+            token_budget -= num_new_tokens
+
+        num_batched_tokens = self.max_num_batched_tokens - token_budget
+        return ScheduledBatch(
+            sequences=sequences, num_batched_tokens=num_batched_tokens, preempted_request_ids=preempted
+        )
+
+    def update(self, batch: ScheduledBatch, sampled_tokens: Mapping[str, int]) -> list[Request]:
+        """Records a finished step: advances each sequence, appends sampled tokens, finishes and frees requests.
+
+        Stop strings need detokenized text, so the engine checks them and calls finish(request, "stop") itself.
+
+        Args:
+          batch: the batch returned by the last schedule().
+          sampled_tokens: request_id to the token sampled after its chunk, for each sequence that completes_prompt.
+        Returns:
+          The requests that finished in this step, in batch order.
+        """
+        finished = []
+        for sequence in batch.sequences:
+            request = sequence.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # Aborted (or preempted by a later schedule) since this batch was built.
+            request.num_computed_tokens += sequence.num_new_tokens
+            if not sequence.completes_prompt:
+                continue
+            if request.request_id not in sampled_tokens:
+                raise ValueError(
+                    f"no sampled token for request {request.request_id!r}, whose chunk completes its prompt; "
+                    "pass one for every sequence with completes_prompt"
+                )
+            token_id = int(sampled_tokens[request.request_id])
+            request.output_token_ids.append(token_id)
+            finish_reason = self._check_stop(request, token_id)
+            if finish_reason is not None:
+                self.finish(request, finish_reason)
+                finished.append(request)
+        return finished
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finishes a waiting or running request with "abort" and frees its pages; unknown or finished ids are ignored.
+
+        Args:
+          request_id: the id given at add_request.
+        Returns:
+          The aborted request, or None if no unfinished request has this id.
+        """
+        request = self._unfinished.get(request_id)
+        if request is None:
+            return None
+        self.finish(request, "abort")
+        return request
+
+    def finish(self, request: Request, finish_reason: str) -> None:
+        """Marks an unfinished request finished, frees its pages and drops it from the queues.
+
+        Args:
+          request: a waiting or running request of this scheduler.
+          finish_reason: "stop", "length" or "abort".
+        """
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        else:
+            raise ValueError(f"request {request.request_id!r} has already finished ({request.finish_reason})")
+        self._free_pages(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = finish_reason
+        del self._unfinished[request.request_id]
+
+    def preempt(self, request: Request) -> None:
+        """Frees a running request's pages and requeues it at the front; its tokens so far are recomputed on resume.
+
+        Args:
+          request: a running request; the scheduler always picks the newest.
+        """
+        self.running.remove(request)
+        self._free_pages(request)
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.info(
+            "preempted request %r by recompute (%d tokens to recompute; preemption %d of this request, %d in all)",
+            request.request_id,
+            request.num_tokens,
+            request.num_preemptions,
+            self.num_preemptions,
+        )
+
+    def _num_new_pages(self, request: Request, num_new_tokens: int) -> int:
+        """The pages a request lacks to hold its computed tokens plus `num_new_tokens`."""
+        num_pages = Request.num_pages_needed(self.page_size, request.num_computed_tokens + num_new_tokens)
+        return max(num_pages - len(request.block_table), 0)
+
+    def _can_grow(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether the pool has the pages a request lacks for `num_new_tokens` more tokens."""
+        return self.allocator.can_allocate(self._num_new_pages(request, num_new_tokens))
+
+    def _grow(self, request: Request, num_new_tokens: int) -> ScheduledSequence:
+        """Allocates the pages for a request's next `num_new_tokens` tokens and describes them as one sequence."""
+        request.block_table.extend(self.allocator.allocate(self._num_new_pages(request, num_new_tokens)))
+        start = request.num_computed_tokens
+        positions = list(range(start, start + num_new_tokens))
+        slots = [request.block_table[p // self.page_size] * self.page_size + p % self.page_size for p in positions]
+        return ScheduledSequence(
+            request=request,
+            token_ids=request.all_token_ids[start : start + num_new_tokens],
+            positions=positions,
+            slots=slots,
+            block_table=list(request.block_table),
+            kv_len=start + num_new_tokens,
+            completes_prompt=start + num_new_tokens == request.num_tokens,
+        )
+
+    def _check_stop(self, request: Request, token_id: int) -> str | None:
+        """The finish reason after `token_id` was appended to `request`, or None if it goes on."""
+        params = request.sampling_params
+        num_output_tokens = request.num_output_tokens
+        # The sampler should also mask stop tokens below min_tokens; this check makes min_tokens hold regardless.
+        if num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return "stop"
+            if token_id in params.stop_token_ids:
+                return "stop"
+        if num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _free_pages(self, request: Request) -> None:
+        """Returns a request's pages to the pool and resets its progress through the KV cache."""
+        self.allocator.free(request.block_table)
+        request.block_table = []
+        request.num_computed_tokens = 0
