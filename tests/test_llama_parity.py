@@ -211,8 +211,10 @@ def test_greedy_generation_matches_transformers(built):
     prompt = _random_ids(300, PROMPT_LEN, built.loaded.config.vocab_size)
     ours = built.loaded.greedy_generate(prompt, NEW_TOKENS, stop_at_eos=False)
     with torch.no_grad():
+        ids = torch.tensor([prompt])
         out = built.torch_model.generate(
-            torch.tensor([prompt]),
+            ids,
+            attention_mask=torch.ones_like(ids),  # token 0 doubles as pad_token_id; never mask prompt tokens
             max_new_tokens=NEW_TOKENS,
             min_new_tokens=NEW_TOKENS,
             do_sample=False,

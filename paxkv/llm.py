@@ -1,0 +1,111 @@
+"""LLM: the Python batch API over the engine (load once, generate for many prompts)."""
+
+import itertools
+
+from tqdm import tqdm
+
+import models
+from paxkv.config import EngineConfig
+from paxkv.engine import Engine
+from paxkv.outputs import RequestOutput
+from paxkv.sampling_params import SamplingParams
+
+
+class LLM:
+    """Batch generation: `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model=None, *, dtype: str = "float32", **engine_config):
+        """Load a model and start an engine over it.
+
+        Args:
+          model: anything models.load accepts; None is the embedded SmolLM2.
+          dtype: parameter storage dtype.
+          **engine_config: EngineConfig fields (num_pages, max_num_seqs, max_num_batched_tokens, ...).
+        """
+        self.loaded = models.load(model, dtype=dtype)
+        self.engine = Engine(self.loaded, EngineConfig(**engine_config))
+        self._request_ids = itertools.count()
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in input order.
+
+        Every prompt is checked before any runs, so a bad one fails the call without side effects.
+
+        Args:
+          prompts: a str, a list of str, or a list of token-id lists.
+          sampling_params: one SamplingParams for all prompts, or one per prompt; default SamplingParams().
+          use_tqdm: show a progress bar on stderr.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        sampling_params = self._broadcast(sampling_params, prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt"
+            )
+        requests = [self._tokenize(index, prompt) for index, prompt in enumerate(prompts)]
+        return self._run(requests, sampling_params, use_tqdm)
+
+    def chat(self, messages_or_conversations, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Apply the chat template to one conversation or a list of them, then generate.
+
+        Args:
+          messages_or_conversations: a list of {"role", "content"} dicts, or a list of such lists.
+          sampling_params: as in generate.
+          use_tqdm: show a progress bar on stderr.
+        """
+        conversations = messages_or_conversations
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        tokenizer = self._require_tokenizer()
+        prompts = [tokenizer.apply_chat_template(messages, add_generation_prompt=True) for messages in conversations]
+        token_ids = [tokenizer.encode(prompt, add_special_tokens=False) for prompt in prompts]
+        requests = list(zip(prompts, token_ids, strict=True))
+        return self._run(requests, self._broadcast(sampling_params, prompts), use_tqdm)
+
+    def _broadcast(self, sampling_params, prompts) -> list[SamplingParams]:
+        """One SamplingParams per prompt."""
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            return [sampling_params or SamplingParams()] * len(prompts)
+        return list(sampling_params)
+
+    def _require_tokenizer(self):
+        """The tokenizer, or a clear error for weights-only checkpoints."""
+        if self.loaded.tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
+        return self.loaded.tokenizer
+
+    def _tokenize(self, index: int, prompt) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) for a string or a token-id list."""
+        if isinstance(prompt, str):
+            return prompt, self._require_tokenizer().encode(prompt)
+        try:
+            token_ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise ValueError(f"prompt {index} is neither a string nor a list of token ids: {prompt!r:.80}") from None
+        return None, token_ids
+
+    def _run(self, requests, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        """Add every request (all or none), step until all finish, return outputs in order."""
+        for params in sampling_params:
+            if params.n != 1:
+                raise ValueError(f"n={params.n}: parallel sampling is not supported yet; use n=1")
+        ids = [f"llm-{next(self._request_ids)}" for _ in requests]
+        added = []
+        try:
+            for request_id, (prompt, token_ids), params in zip(ids, requests, sampling_params, strict=True):
+                self.engine.add_request(request_id, token_ids, params, prompt=prompt)
+                added.append(request_id)
+        except ValueError:
+            for request_id in added:  # a bad prompt fails the call before anything ran
+                self.engine.abort(request_id)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), disable=not use_tqdm, desc="generate", unit="req") as progress:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        progress.update(1)
+        return [finished[request_id] for request_id in ids]

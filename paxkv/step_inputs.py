@@ -1,0 +1,79 @@
+"""StepInputs: one scheduled batch as padded, bucketed arrays for the jitted step."""
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from pallas_kernels import AttentionMetadata
+from paxkv.scheduler import ScheduledBatch
+
+
+def power_of_two_bucket(n: int, maximum: int) -> int:
+    """The power of two at or above n, capped at `maximum` (itself rounded up to a power of two)."""
+    cap = 1 << max(0, maximum - 1).bit_length()
+    return min(cap, 1 << max(0, n - 1).bit_length())
+
+
+def num_buckets(maximum: int) -> int:
+    """How many power-of-two buckets cover 1..maximum."""
+    return max(0, maximum - 1).bit_length() + 1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """Padded inputs of one ragged step (T tokens, S sequence rows)."""
+
+    tokens: jax.Array  # i32[T]; padding is token 0
+    positions: jax.Array  # i32[T]
+    metadata: AttentionMetadata  # slots[T], block_tables[S, P], cu_q_lens[S + 1], kv_lens[S], num_seqs[1]
+    logits_indices: jax.Array  # i32[S] the last new token of each row (0 for padded rows)
+
+    @classmethod
+    def from_batch(
+        cls,
+        batch: ScheduledBatch,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        pages_per_seq: int,
+    ) -> "StepInputs":
+        """Lay out a batch: rows in batch order, tokens contiguous per row, everything padded to buckets.
+
+        Args:
+          batch: the scheduler's batch for this step.
+          max_num_batched_tokens: the token budget (largest T bucket).
+          max_num_seqs: the sequence budget (largest S bucket).
+          pages_per_seq: block-table width, ceil(max_model_len / page_size).
+        """
+        num_tokens = batch.num_batched_tokens
+        padded_tokens = power_of_two_bucket(num_tokens, max_num_batched_tokens)
+        padded_seqs = power_of_two_bucket(batch.num_seqs, max_num_seqs)
+        tokens = np.zeros(padded_tokens, np.int32)
+        positions = np.zeros(padded_tokens, np.int32)
+        slots = np.zeros(padded_tokens, np.int32)  # padded tokens write into the null page
+        block_tables = np.zeros((padded_seqs, pages_per_seq), np.int32)
+        cu_q_lens = np.full(padded_seqs + 1, num_tokens, np.int32)  # padded rows hold no tokens
+        kv_lens = np.zeros(padded_seqs, np.int32)
+        logits_indices = np.zeros(padded_seqs, np.int32)
+        start = 0
+        for row, sequence in enumerate(batch.sequences):
+            stop = start + sequence.num_new_tokens
+            tokens[start:stop] = sequence.token_ids
+            positions[start:stop] = sequence.positions
+            slots[start:stop] = sequence.slots
+            block_tables[row, : len(sequence.block_table)] = sequence.block_table
+            cu_q_lens[row] = start
+            kv_lens[row] = sequence.kv_len
+            logits_indices[row] = stop - 1
+            start = stop
+        cu_q_lens[batch.num_seqs :] = num_tokens
+        metadata = AttentionMetadata(
+            slots=slots,
+            block_tables=block_tables,
+            cu_q_lens=cu_q_lens,
+            kv_lens=kv_lens,
+            num_seqs=np.asarray([batch.num_seqs], np.int32),
+        )
+        return cls(tokens=tokens, positions=positions, metadata=metadata, logits_indices=logits_indices)
