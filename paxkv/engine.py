@@ -228,7 +228,9 @@ class Engine:
             index = tracked.text.find(stop)
             if index >= 0:
                 tracked.text = tracked.text[:index]
-                if not request.is_finished:
+                if request.is_finished:
+                    request.finish_reason = "stop"  # the stop string came with the last token
+                else:
                     self.scheduler.finish(request, "stop")
                 break
 
