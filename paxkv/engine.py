@@ -68,7 +68,6 @@ class Engine:
         self.pages_per_seq = -(-self.max_model_len // config.page_size)
         self._seed_source = np.random.default_rng(config.seed)
         self._tracked: dict[str, _Tracked] = {}
-        self.num_preemptions = 0
         logger.info(
             "page pool: %d pages of %d tokens = %d tokens, %d bytes per token",
             num_pages,
@@ -126,6 +125,11 @@ class Engine:
         return self.scheduler.has_unfinished_requests()
 
     @property
+    def num_preemptions(self) -> int:
+        """Preemptions so far (counted by the scheduler)."""
+        return self.scheduler.num_preemptions
+
+    @property
     def num_compilations(self) -> int:
         """Distinct step programs compiled so far in this process."""
         return num_step_compilations()
@@ -133,7 +137,6 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return the requests that advanced or finished."""
         batch = self.scheduler.schedule()
-        self.num_preemptions += len(batch.preempted_request_ids)
         if batch.is_empty:
             return []
         tokens, logprobs = self._run(batch)

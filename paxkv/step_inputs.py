@@ -5,14 +5,14 @@ import dataclasses
 import jax
 import numpy as np
 
+from models.paged_forward import bucket
 from pallas_kernels import AttentionMetadata
 from paxkv.scheduler import ScheduledBatch
 
 
 def power_of_two_bucket(n: int, maximum: int) -> int:
     """The power of two at or above n, capped at `maximum` (itself rounded up to a power of two)."""
-    cap = 1 << max(0, maximum - 1).bit_length()
-    return min(cap, 1 << max(0, n - 1).bit_length())
+    return min(bucket(maximum), bucket(n))
 
 
 def num_buckets(maximum: int) -> int:

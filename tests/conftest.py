@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 # Must be set before jax initializes its backends.
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -9,3 +11,31 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 from paxkv.compilation_cache import enable_compilation_cache  # noqa: E402
 
 enable_compilation_cache()
+
+
+# The tiny Llama most model tests share: 2 layers, hidden 64, 4 query and 2 KV heads, vocab 256.
+TINY_LLAMA = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    intermediate_size=128,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
+
+
+@pytest.fixture(scope="session")
+def make_tiny_llama():
+    """Build a random transformers LlamaForCausalLM (eval mode) from TINY_LLAMA plus overrides."""
+
+    def make(seed: int = 0, **overrides):
+        import torch
+        import transformers
+
+        torch.manual_seed(seed)
+        config = transformers.LlamaConfig(**{**TINY_LLAMA, **overrides})
+        return transformers.LlamaForCausalLM(config).eval()
+
+    return make

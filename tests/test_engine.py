@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 import torch
-import transformers
 
 import models
 from paxkv.config import EngineConfig
@@ -15,21 +14,9 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tmp_path_factory, make_tiny_llama):
     """A tiny random Llama saved by transformers, and the same model loaded by paxkv."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        intermediate_size=128,
-        max_position_embeddings=512,
-        initializer_range=0.1,
-        tie_word_embeddings=False,
-    )
-    torch_model = transformers.LlamaForCausalLM(config).eval()
+    torch_model = make_tiny_llama(max_position_embeddings=512, initializer_range=0.1)
     path = tmp_path_factory.mktemp("tiny")
     torch_model.save_pretrained(path)
     return torch_model, models.load(path, require_tokenizer=False)

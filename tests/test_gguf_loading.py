@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import tokenizers
 import torch
-import transformers
 
 import models
 
@@ -46,22 +45,9 @@ def _llama_cpp_rope_factors(head_dim: int, rope: dict) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def hf_llama3():
+def hf_llama3(make_tiny_llama):
     """A tiny random Llama with llama3 rope scaling, as transformers builds it."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        vocab_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-        tie_word_embeddings=False,
-        rope_parameters=LLAMA3_ROPE,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    return make_tiny_llama(max_position_embeddings=256, initializer_range=0.1, rope_parameters=LLAMA3_ROPE)
 
 
 def _write_gguf(model, path, *, with_rope_freqs: bool) -> str:

@@ -3,8 +3,6 @@
 import jax
 import numpy as np
 import pytest
-import torch
-import transformers
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -12,20 +10,9 @@ import models
 
 
 @pytest.fixture(scope="module")
-def tiny_llama():
+def tiny_llama(make_tiny_llama):
     """A tiny random Llama as transformers builds it."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        intermediate_size=128,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    return make_tiny_llama()
 
 
 def _flat(loaded):

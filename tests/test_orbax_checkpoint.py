@@ -39,24 +39,9 @@ def flat_params(loaded) -> dict[tuple, jax.Array]:
     return {path: variable.get_value() for path, variable in nnx.to_flat_state(loaded.state)}
 
 
-def write_tiny_llama(directory) -> None:
-    """A 2-layer Llama (hidden 64, 4 heads, 2 KV heads, vocab 256) with random weights and a word-level tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        intermediate_size=128,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = LlamaForCausalLM(config)
+def write_tiny_llama(directory, make_tiny_llama) -> None:
+    """The shared tiny Llama with every weight random (norms too) and a word-level tokenizer."""
+    model = make_tiny_llama(bos_token_id=1, eos_token_id=2)
     with torch.no_grad():
         for parameter in model.parameters():  # norms too, so no leaf is a constant
             parameter.copy_(0.1 * torch.randn_like(parameter))
@@ -68,10 +53,10 @@ def write_tiny_llama(directory) -> None:
 
 
 @pytest.fixture(scope="module")
-def original(tmp_path_factory):
+def original(tmp_path_factory, make_tiny_llama):
     """The tiny model loaded from its HF folder."""
     directory = tmp_path_factory.mktemp("tiny_llama")
-    write_tiny_llama(directory)
+    write_tiny_llama(directory, make_tiny_llama)
     return models.load(directory, require_tokenizer=False)
 
 
