@@ -2,6 +2,8 @@
 
 import dataclasses
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -13,6 +15,7 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # default: min(the model's context, 4096)
+    kv_cache_dtype: str = "auto"  # "auto" (the parameters' dtype), "float32" or "bfloat16"
     seed: int = 0  # draws seeds for requests that give none
 
     def __post_init__(self):
@@ -24,5 +27,7 @@ class EngineConfig:
             raise ValueError(
                 f"num_pages={self.num_pages!r} cannot hold even one page besides the null page 0; use at least 2"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")

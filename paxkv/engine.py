@@ -3,19 +3,21 @@
 import logging
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 import models
 from paxkv.config import EngineConfig
-from paxkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from paxkv.metrics import EngineMetrics
+from paxkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from paxkv.page_allocator import PageAllocator
 from paxkv.request import Request
 from paxkv.sampler import SamplingArrays
 from paxkv.sampling_params import SamplingParams
 from paxkv.scheduler import ScheduledBatch, Scheduler
-from paxkv.step import engine_step, num_step_compilations
-from paxkv.step_inputs import StepInputs
+from paxkv.step import SampledTokens, engine_step, num_step_compilations
+from paxkv.step_inputs import StepInputs, num_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +31,9 @@ class _Tracked:
         self.seed = seed
         self.detokenizer = detokenizer
         self.text = ""
-        self.logprobs: list[float] = []
+        self.logprobs: list[dict[int, Logprob]] = []
+        self.cumulative_logprob = 0.0
+        self.stop_reason: str | int | None = None
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
 
 
@@ -52,9 +56,22 @@ class Engine:
                 f"max_model_len={self.max_model_len} exceeds the model's context of "
                 f"{model_config.max_position_embeddings}; lower max_model_len"
             )
-        kv_dtype = jnp.float32
-        bytes_per_token = 2 * model_config.num_kv_heads * model_config.head_dim * 4 * model_config.num_layers
-        num_pages = config.num_pages or max(2, config.kv_cache_memory_bytes // (bytes_per_token * config.page_size))
+        kv_dtype = self._kv_dtype(loaded, config.kv_cache_dtype)
+        bytes_per_token = (
+            2 * model_config.num_kv_heads * model_config.head_dim * kv_dtype.itemsize * model_config.num_layers
+        )
+        num_pages = config.num_pages or config.kv_cache_memory_bytes // (bytes_per_token * config.page_size)
+        if num_pages - 1 < config.max_num_seqs:
+            source = (
+                f"num_pages={num_pages}"
+                if config.num_pages
+                else (f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} ({num_pages} pages)")
+            )
+            raise ValueError(
+                f"{source} leaves {max(num_pages - 1, 0)} usable pages (page 0 is reserved), too few to hold even "
+                f"one page for each of max_num_seqs={config.max_num_seqs} sequences; raise num_pages or "
+                "kv_cache_memory_bytes, or lower max_num_seqs"
+            )
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(
             self.allocator,
@@ -68,13 +85,26 @@ class Engine:
         self.pages_per_seq = -(-self.max_model_len // config.page_size)
         self._seed_source = np.random.default_rng(config.seed)
         self._tracked: dict[str, _Tracked] = {}
+        # (T bucket, S bucket, penalties?, suppress?, top logprobs?): each distinct one is one step program.
+        self.step_shapes: set[tuple[int, int, bool, bool, bool]] = set()
+        self.metrics = EngineMetrics(num_total_pages=num_pages - 1, page_size=config.page_size)
+        self.kv_cache_bytes = num_pages * config.page_size * bytes_per_token
         logger.info(
-            "page pool: %d pages of %d tokens = %d tokens, %d bytes per token",
+            "page pool: %d pages of %d tokens (page 0 reserved) = %d tokens of KV, %s, %d bytes per token, %.1f MiB",
             num_pages,
             config.page_size,
             (num_pages - 1) * config.page_size,
+            kv_dtype.name,
             bytes_per_token,
+            self.kv_cache_bytes / 2**20,
         )
+
+    @staticmethod
+    def _kv_dtype(loaded: models.LoadedModel, kv_cache_dtype: str) -> np.dtype:
+        """The pool's storage dtype: the parameters' dtype for "auto", else the named one."""
+        if kv_cache_dtype == "auto":
+            return np.dtype(jax.tree.leaves(loaded.state)[0].dtype)
+        return np.dtype(jnp.dtype(kv_cache_dtype))
 
     def add_request(
         self,
@@ -92,7 +122,18 @@ class Engine:
           prompt: the prompt text, echoed in outputs.
         """
         sampling_params = sampling_params or SamplingParams()
-        prompt_token_ids = [int(t) for t in prompt_token_ids]
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(
+                f"request {request_id!r}: sampling_params must be a SamplingParams, not {sampling_params!r}"
+            )
+        if sampling_params.n != 1:
+            raise ValueError(
+                f"request {request_id!r}: n={sampling_params.n}; parallel sampling is not supported yet, use n=1"
+            )
+        try:
+            prompt_token_ids = [int(t) for t in prompt_token_ids]
+        except (TypeError, ValueError):
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must be a list of ints") from None
         vocab_size = self.loaded.config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
         if bad:
@@ -108,6 +149,7 @@ class Engine:
         tokenizer = self.loaded.tokenizer
         detokenizer = tokenizer.detokenizer() if tokenizer is not None else None
         self._tracked[request_id] = _Tracked(request, prompt, seed, detokenizer)
+        self.metrics.num_requests += 1
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its output so far comes back with finish_reason "abort".
@@ -118,7 +160,11 @@ class Engine:
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
-        return self._output(self._tracked.pop(request_id))
+        tracked = self._tracked.pop(request_id)
+        tracked.metrics.finished_time = time.monotonic()
+        self.metrics.num_aborted_requests += 1
+        self._refresh_pool_gauges()
+        return self._output(tracked)
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""
@@ -130,16 +176,27 @@ class Engine:
         return self.scheduler.num_preemptions
 
     @property
+    def max_step_programs(self) -> int:
+        """The most distinct step programs this engine can need: T buckets x S buckets x 8 optional parts."""
+        config = self.config
+        return num_buckets(config.max_num_batched_tokens) * num_buckets(config.max_num_seqs) * 8
+
+    @property
     def num_compilations(self) -> int:
         """Distinct step programs compiled so far in this process."""
         return num_step_compilations()
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return the requests that advanced or finished."""
+        start = time.monotonic()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        tokens, logprobs = self._run(batch)
+        for sequence in batch.sequences:
+            metrics = self._tracked[sequence.request.request_id].metrics
+            metrics.first_scheduled_time = metrics.first_scheduled_time or start
+        sampled_tokens = self._run(batch)
+        tokens = np.asarray(sampled_tokens.tokens)
         sampled = {}
         for row, sequence in enumerate(batch.sequences):
             if sequence.completes_prompt:
@@ -147,21 +204,57 @@ class Engine:
         self.scheduler.update(batch, sampled)
         outputs = []
         now = time.monotonic()
+        host_logprobs = None
         for row, sequence in enumerate(batch.sequences):
             request_id = sequence.request.request_id
             if request_id not in sampled:
                 continue
             tracked = self._tracked[request_id]
             tracked.metrics.first_token_time = tracked.metrics.first_token_time or now
-            tracked.logprobs.append(float(logprobs[row]))
+            tracked.metrics.num_generated_tokens += 1
+            if tracked.request.sampling_params.logprobs is not None:
+                host_logprobs = host_logprobs or jax.device_get(sampled_tokens)
+                self._append_logprobs(tracked, host_logprobs, row)
             self._append_text(tracked, sampled[request_id])
             if tracked.request.is_finished:
                 tracked.metrics.finished_time = now
                 del self._tracked[request_id]
+                self.metrics.num_finished_requests += 1
+                self.metrics.num_prompt_tokens += tracked.request.num_prompt_tokens
             outputs.append(self._output(tracked))
+        self.metrics.num_generated_tokens += len(sampled)
+        self.metrics.num_preemptions = self.scheduler.num_preemptions
+        self.metrics.num_compilations = num_step_compilations()
+        self._refresh_pool_gauges(start=start, num_tokens=batch.num_batched_tokens)
         return outputs
 
-    def _run(self, batch: ScheduledBatch) -> tuple[np.ndarray, np.ndarray]:
+    def _refresh_pool_gauges(self, *, start: float | None = None, num_tokens: int = 0) -> None:
+        """Update the pool gauges; with `start`, also account a step that began then."""
+        used = self.allocator.num_used_pages
+        if start is None:
+            self.metrics.kv_pages_used = used
+            return
+        running = self.scheduler.running
+        allocated = sum(len(request.block_table) for request in running) * self.config.page_size
+        filled = sum(request.num_computed_tokens for request in running)
+        self.metrics.record_step(start, num_tokens, used, allocated, filled)
+
+    def _append_logprobs(self, tracked: _Tracked, sampled: SampledTokens, row: int) -> None:
+        """Record the sampled token's log-probability and the requested top-k at this position."""
+        token_id = int(sampled.tokens[row])
+        tokenizer = self.loaded.tokenizer
+        decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else (lambda t: None)
+        entry = {}
+        num_top = tracked.request.sampling_params.logprobs
+        top_ids, top_values = sampled.top_ids[row, :num_top], sampled.top_logprobs[row, :num_top]
+        for rank, (top_id, top_value) in enumerate(zip(top_ids, top_values, strict=True), start=1):
+            entry[int(top_id)] = Logprob(float(top_value), rank, decode(int(top_id)))
+        token_logprob = float(sampled.logprobs[row])
+        entry.setdefault(token_id, Logprob(token_logprob, int(sampled.ranks[row]), decode(token_id)))
+        tracked.logprobs.append(entry)
+        tracked.cumulative_logprob += token_logprob
+
+    def _run(self, batch: ScheduledBatch) -> SampledTokens:
         """Build the padded inputs, run the jitted step, and fetch the sampled tokens."""
         inputs = StepInputs.from_batch(
             batch,
@@ -178,7 +271,11 @@ class Engine:
             batch_size=num_rows,
         )
         token_counts, prompt_mask, suppress = self._vocab_arrays(batch, num_rows)
-        tokens, logprobs, self.kv_caches = engine_step(
+        with_top_logprobs = any(s.request.sampling_params.logprobs for s in rows)
+        self.step_shapes.add(
+            (inputs.tokens.shape[0], num_rows, token_counts is not None, suppress is not None, with_top_logprobs)
+        )
+        sampled, self.kv_caches = engine_step(
             self.loaded.graphdef,
             self.loaded.state,
             self.kv_caches,
@@ -187,8 +284,9 @@ class Engine:
             token_counts,
             prompt_mask,
             suppress,
+            with_top_logprobs,
         )
-        return np.asarray(tokens), np.asarray(logprobs)
+        return sampled
 
     def _vocab_arrays(self, batch: ScheduledBatch, num_rows: int):
         """Per-row vocabulary arrays for penalties and min_tokens, built only when some row needs them."""
@@ -223,6 +321,8 @@ class Engine:
             token_id in params.stop_token_ids or token_id in self.loaded.generation_config.eos_token_ids
         )
         if is_stop_token:
+            if token_id in params.stop_token_ids:
+                tracked.stop_reason = token_id
             return  # the token that stopped generation is not part of the text
         tracked.text += tracked.detokenizer.step(token_id)
         if request.is_finished:
@@ -231,6 +331,7 @@ class Engine:
             index = tracked.text.find(stop)
             if index >= 0:
                 tracked.text = tracked.text[:index]
+                tracked.stop_reason = stop
                 if request.is_finished:
                     request.finish_reason = "stop"  # the stop string came with the last token
                 else:
@@ -245,6 +346,8 @@ class Engine:
             token_ids=list(request.output_token_ids),
             finish_reason=request.finish_reason,
             logprobs=list(tracked.logprobs) if request.sampling_params.logprobs is not None else None,
+            cumulative_logprob=tracked.cumulative_logprob if request.sampling_params.logprobs is not None else None,
+            stop_reason=tracked.stop_reason,
         )
         return RequestOutput(
             request_id=request.request_id,

@@ -9,6 +9,7 @@ from typing import Any
 GREEDY_TEMPERATURE_EPS = 1e-5
 # presence_penalty and frequency_penalty must lie in [-PENALTY_LIMIT, PENALTY_LIMIT] (the OpenAI API range).
 PENALTY_LIMIT = 2.0
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs; keeps the top-k width (a compiled shape) small
 
 
 def _as_int(name: str, value: Any) -> int:
@@ -36,7 +37,8 @@ class SamplingParams:
     temperature: 0 (or anything below GREEDY_TEMPERATURE_EPS, as in vLLM) is greedy decoding.
     seed: None lets the engine choose a seed; with a seed, the samples depend only on (seed, position).
     stop: stored as a tuple of non-empty strings; stop_token_ids as a tuple of non-negative ints.
-    logprobs: None for none, else how many top log-probabilities to return per generated token.
+    logprobs: None for none, else how many top log-probabilities (at most MAX_LOGPROBS) to return per generated
+      token; the sampled token's own log-probability is always included.
     """
 
     n: int = 1
@@ -103,8 +105,11 @@ class SamplingParams:
 
         if self.logprobs is not None:
             logprobs = _as_int("logprobs", self.logprobs)
-            if logprobs < 0:
-                raise ValueError(f"logprobs must be None or >= 0 (the number of top log-probs), got {logprobs}")
+            if not 0 <= logprobs <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"logprobs must be None or in [0, {MAX_LOGPROBS}] (the number of top log-probs), got {logprobs}"
+                )
+            set_field("logprobs", logprobs)
 
         for name in ("presence_penalty", "frequency_penalty"):
             value = _as_float(name, getattr(self, name))

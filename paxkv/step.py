@@ -1,15 +1,30 @@
 """The jitted engine step: one ragged forward over the page pool, then sampling of one token per row."""
 
+import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from paxkv.sampler import SamplingArrays, sample
+from paxkv.sampler import SamplingArrays, sample, top_logprobs
+from paxkv.sampling_params import MAX_LOGPROBS
 from paxkv.step_inputs import StepInputs
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampledTokens:
+    """One sampled token per row, with its log-probability under the model's raw (temperature 1) distribution."""
+
+    tokens: jax.Array  # i32[S]
+    logprobs: jax.Array  # f32[S] log-probability of each sampled token
+    ranks: jax.Array  # i32[S] 1-based rank of each sampled token (1 = most likely)
+    top_ids: jax.Array  # i32[S, MAX_LOGPROBS] most likely tokens first; [S, 0] unless asked for
+    top_logprobs: jax.Array  # f32[S, MAX_LOGPROBS] their log-probabilities; [S, 0] unless asked for
+
+
+@functools.partial(jax.jit, static_argnums=(0, 8), donate_argnums=2)
 def engine_step(
     graphdef: nnx.GraphDef,
     state: nnx.State,
@@ -19,7 +34,8 @@ def engine_step(
     token_counts: jax.Array | None,  # i32[S, vocab] generated-token counts, only when a row has penalties
     prompt_mask: jax.Array | None,  # bool[S, vocab] prompt tokens, only when a row has a repetition penalty
     suppress: jax.Array | None,  # bool[S, vocab] tokens a row may not produce yet (min_tokens)
-) -> tuple[jax.Array, jax.Array, list[jax.Array]]:  # (i32[S] tokens, f32[S] logprobs, kv_caches)
+    with_top_logprobs: bool = False,
+) -> tuple[SampledTokens, list[jax.Array]]:
     """Write the batch's K/V, compute each row's last-token logits, and sample.
 
     A plain jax.jit over (graphdef, state) with the pool donated, so updates happen in place.
@@ -30,12 +46,22 @@ def engine_step(
       inputs: the padded ragged batch.
       sampling: per-row sampling settings, seeds and positions.
       token_counts, prompt_mask, suppress: optional per-row vocabulary arrays (None compiles them away).
+      with_top_logprobs: also return the MAX_LOGPROBS most likely tokens of each row (static).
     """
     model = nnx.merge(graphdef, state)
     hidden, kv_caches = model(inputs.tokens, inputs.positions, kv_caches, inputs.metadata)
-    logits = model.logits(hidden[inputs.logits_indices])  # f32[S, vocab]
-    tokens, logprobs = sample(logits, sampling, token_counts, prompt_mask=prompt_mask, suppress=suppress)
-    return tokens, logprobs, kv_caches
+    logits = model.logits(hidden[inputs.logits_indices]).astype(jnp.float32)  # f32[S, vocab]
+    tokens, _ = sample(logits, sampling, token_counts, prompt_mask=prompt_mask, suppress=suppress)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # f32[S, vocab]
+    token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)  # f32[S, 1]
+    ranks = 1 + jnp.sum(raw_logprobs > token_logprobs, axis=-1, dtype=jnp.int32)  # i32[S]
+    num_rows = logits.shape[0]
+    if with_top_logprobs:
+        top_ids, top_values = top_logprobs(logits, MAX_LOGPROBS)  # i32[S, k], f32[S, k]
+    else:
+        top_ids, top_values = jnp.zeros((num_rows, 0), jnp.int32), jnp.zeros((num_rows, 0), jnp.float32)
+    sampled = SampledTokens(tokens, token_logprobs[:, 0], ranks, top_ids, top_values)
+    return sampled, kv_caches
 
 
 def num_step_compilations() -> int:

@@ -1,0 +1,97 @@
+"""EngineMetrics: the engine's counters and KV-pool gauges, kept in one place."""
+
+import dataclasses
+import time
+
+
+@dataclasses.dataclass
+class EngineMetrics:
+    """What the engine has done so far and how full its page pool is.
+
+    KV waste is allocated-but-unfilled token slots as a share of allocated slots, summed over steps (so a
+    step with more pages in use weighs more). With paging it is at most one partial page per sequence.
+    """
+
+    num_total_pages: int  # usable pages (the null page excluded)
+    page_size: int
+    num_requests: int = 0  # accepted by add_request
+    num_finished_requests: int = 0
+    num_aborted_requests: int = 0
+    num_prompt_tokens: int = 0  # of finished requests
+    num_generated_tokens: int = 0  # every token sampled, finished requests or not
+    num_computed_tokens: int = 0  # tokens whose KV the steps computed, recomputation after preemption included
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_compilations: int = 0
+    kv_pages_used: int = 0
+    peak_kv_pages_used: int = 0
+    allocated_slot_steps: int = 0  # sum over steps of allocated token slots
+    unfilled_slot_steps: int = 0  # sum over steps of allocated but unfilled token slots
+    busy_seconds: float = 0.0  # wall time inside step() with work to do
+    first_step_time: float | None = None
+    last_step_time: float | None = None
+
+    @property
+    def kv_pages_free(self) -> int:
+        """Pages free now."""
+        return self.num_total_pages - self.kv_pages_used
+
+    @property
+    def kv_waste_fraction(self) -> float:
+        """Allocated but unfilled KV slots as a share of allocated slots, over all steps so far."""
+        return self.unfilled_slot_steps / self.allocated_slot_steps if self.allocated_slot_steps else 0.0
+
+    @property
+    def elapsed_seconds(self) -> float:
+        """Wall time from the start of the first step to the end of the last."""
+        if self.first_step_time is None or self.last_step_time is None:
+            return 0.0
+        return self.last_step_time - self.first_step_time
+
+    @property
+    def generated_tokens_per_s(self) -> float:
+        """Generated tokens per second of wall time between the first and last step."""
+        elapsed = self.elapsed_seconds
+        return self.num_generated_tokens / elapsed if elapsed > 0 else 0.0
+
+    @property
+    def computed_tokens_per_s(self) -> float:
+        """Prompt and generated tokens through the model per second, recomputation included."""
+        elapsed = self.elapsed_seconds
+        return self.num_computed_tokens / elapsed if elapsed > 0 else 0.0
+
+    def record_step(self, start: float, num_tokens: int, kv_pages_used: int, allocated: int, filled: int) -> None:
+        """Account one step that began at `start` (time.monotonic) and has just ended.
+
+        Args:
+          start: when the step began.
+          num_tokens: tokens the step ran through the model.
+          kv_pages_used: pages held after the step.
+          allocated: token slots in the running requests' pages after the step.
+          filled: of those, slots holding a computed token.
+        """
+        end = time.monotonic()
+        self.num_steps += 1
+        self.num_computed_tokens += num_tokens
+        self.busy_seconds += end - start
+        if self.first_step_time is None:
+            self.first_step_time = start
+        self.last_step_time = end
+        self.kv_pages_used = kv_pages_used
+        self.peak_kv_pages_used = max(self.peak_kv_pages_used, kv_pages_used)
+        self.allocated_slot_steps += allocated
+        self.unfilled_slot_steps += allocated - filled
+
+    def as_dict(self) -> dict:
+        """Every counter and derived value, for JSON."""
+        values = dataclasses.asdict(self)
+        for name in ("first_step_time", "last_step_time"):
+            values.pop(name)
+        values.update(
+            kv_pages_free=self.kv_pages_free,
+            kv_waste_fraction=self.kv_waste_fraction,
+            elapsed_seconds=self.elapsed_seconds,
+            generated_tokens_per_s=self.generated_tokens_per_s,
+            computed_tokens_per_s=self.computed_tokens_per_s,
+        )
+        return values

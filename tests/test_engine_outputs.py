@@ -1,0 +1,145 @@
+"""Engine outputs beyond tokens: top-k logprobs against transformers, metrics, compilation bounds, bad configs."""
+
+import numpy as np
+import pytest
+import torch
+
+import models
+from paxkv.config import EngineConfig
+from paxkv.engine import Engine
+from paxkv.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, make_tiny_llama):
+    """A tiny random Llama saved by transformers, and the same model loaded by paxkv."""
+    torch_model = make_tiny_llama(max_position_embeddings=512, initializer_range=0.1)
+    path = tmp_path_factory.mktemp("tiny_outputs")
+    torch_model.save_pretrained(path)
+    return torch_model, models.load(path, require_tokenizer=False)
+
+
+def _drain(engine: Engine) -> dict:
+    """Step until every request finishes; return the finished outputs by request id."""
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    return finished
+
+
+def test_top_logprobs_match_transformers(tiny):
+    torch_model, loaded = tiny
+    prompt = np.random.default_rng(1).integers(0, 256, 37).tolist()
+    engine = Engine(loaded, EngineConfig(num_pages=64, max_num_seqs=4))
+    engine.add_request("a", prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5))
+    completion = _drain(engine)["a"].outputs[0]
+    with torch.no_grad():
+        logits = torch_model(torch.tensor([prompt + completion.token_ids])).logits[0]
+    reference = torch.log_softmax(logits.double(), dim=-1)[len(prompt) - 1 : -1]  # [6, vocab]
+    assert len(completion.logprobs) == 6
+    for position, (token_id, entry) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
+        top_values, top_ids = reference[position].topk(5)
+        assert list(entry)[:5] == top_ids.tolist()
+        assert [entry[t].rank for t in top_ids.tolist()] == [1, 2, 3, 4, 5]
+        np.testing.assert_allclose([entry[t].logprob for t in top_ids.tolist()], top_values.numpy(), atol=2e-5)
+        assert entry[token_id].rank == 1  # greedy picks the most likely token
+    pairs = zip(completion.token_ids, completion.logprobs, strict=True)
+    expected_cumulative = sum(entry[t].logprob for t, entry in pairs)
+    assert completion.cumulative_logprob == pytest.approx(expected_cumulative)
+
+
+def test_logprobs_zero_gives_the_sampled_token_only_with_its_rank(tiny):
+    torch_model, loaded = tiny
+    prompt = [5, 6, 7, 8]
+    engine = Engine(loaded, EngineConfig(num_pages=64, max_num_seqs=4))
+    params = SamplingParams(temperature=5.0, seed=3, max_tokens=8, ignore_eos=True, logprobs=0)
+    engine.add_request("a", prompt, params)
+    completion = _drain(engine)["a"].outputs[0]
+    with torch.no_grad():
+        logits = torch_model(torch.tensor([prompt + completion.token_ids])).logits[0].double()
+    reference = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
+    for position, (token_id, entry) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
+        assert list(entry) == [token_id]
+        expected_rank = 1 + int((reference[position] > reference[position, token_id]).sum())
+        assert entry[token_id].rank == expected_rank
+        assert entry[token_id].logprob == pytest.approx(float(reference[position, token_id]), abs=2e-5)
+    pairs = zip(completion.token_ids, completion.logprobs, strict=True)
+    assert any(entry[t].rank > 1 for t, entry in pairs)  # a hot temperature samples below the top
+
+
+def test_metrics_count_tokens_pages_and_waste(tiny):
+    _, loaded = tiny
+    engine = Engine(loaded, EngineConfig(num_pages=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=64))
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    engine.add_request("a", list(range(1, 21)), params)  # 20 + 10 tokens: 2 pages
+    engine.add_request("b", list(range(1, 4)), params)  # 3 + 10 tokens: 1 page
+    finished = _drain(engine)
+    metrics = engine.metrics
+    assert metrics.num_requests == metrics.num_finished_requests == 2
+    assert metrics.num_prompt_tokens == 23 and metrics.num_generated_tokens == 20
+    assert metrics.num_computed_tokens == 23 + 2 * 9  # the last sampled token's KV is never computed
+    assert metrics.peak_kv_pages_used == 3 and metrics.kv_pages_used == 0 and metrics.kv_pages_free == 63
+    assert 0.0 < metrics.kv_waste_fraction < 1.0
+    assert metrics.num_preemptions == 0 and metrics.num_compilations >= 1
+    assert metrics.generated_tokens_per_s > 0
+    for output in finished.values():
+        request_metrics = output.metrics
+        assert request_metrics.num_generated_tokens == 10
+        assert 0 <= request_metrics.queue_time <= request_metrics.time_to_first_token
+        assert request_metrics.decode_tokens_per_s > 0
+
+
+def test_compilations_stay_within_the_buckets_over_100_mixed_requests(tiny):
+    _, loaded = tiny
+    rng = np.random.default_rng(7)
+    config = EngineConfig(num_pages=96, max_num_seqs=8, max_num_batched_tokens=64)
+    engine = Engine(loaded, config)
+    before = engine.num_compilations
+    kinds = [
+        dict(temperature=0.0),
+        dict(temperature=0.8, top_k=10, top_p=0.9),
+        dict(temperature=0.7, repetition_penalty=1.2, frequency_penalty=0.5),
+        dict(temperature=0.0, min_tokens=3),
+        dict(temperature=1.0, logprobs=3),
+    ]
+    pending = []
+    for index in range(100):
+        prompt = rng.integers(0, 256, int(rng.integers(1, 150))).tolist()
+        params = SamplingParams(max_tokens=int(rng.integers(3, 12)), seed=index, **kinds[index % len(kinds)])
+        pending.append((str(index), prompt, params))
+    finished = {}
+    while pending or engine.has_unfinished_requests():
+        for _ in range(int(rng.integers(0, 4))):
+            if pending:
+                engine.add_request(*pending.pop(0))
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert len(finished) == 100
+    new_programs = engine.num_compilations - before
+    assert new_programs <= len(engine.step_shapes) <= engine.max_step_programs
+    assert engine.metrics.num_steps > 3 * len(engine.step_shapes)  # most steps reuse a compiled program
+
+
+def test_a_pool_without_one_page_per_sequence_is_refused(tiny):
+    _, loaded = tiny
+    with pytest.raises(ValueError, match="num_pages=5 leaves 4 usable pages.*max_num_seqs=8"):
+        Engine(loaded, EngineConfig(num_pages=5, max_num_seqs=8))
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes=1000 .*raise num_pages or kv_cache_memory_bytes"):
+        Engine(loaded, EngineConfig(kv_cache_memory_bytes=1000, max_num_seqs=8))
+
+
+def test_malformed_requests_name_the_problem(tiny):
+    _, loaded = tiny
+    engine = Engine(loaded, EngineConfig(num_pages=32, max_num_seqs=4))
+    with pytest.raises(ValueError, match="parallel sampling is not supported"):
+        engine.add_request("n", [1, 2], SamplingParams(n=2))
+    with pytest.raises(ValueError, match="must be a SamplingParams"):
+        engine.add_request("d", [1, 2], {"temperature": 0})
+    with pytest.raises(ValueError, match="list of ints"):
+        engine.add_request("s", ["a", "b"])
+    with pytest.raises(ValueError, match="logprobs must be None or in \\[0, 20\\]"):
+        SamplingParams(logprobs=21)
+    assert not engine.has_unfinished_requests() and engine.metrics.num_requests == 0
