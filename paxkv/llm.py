@@ -5,6 +5,7 @@ import itertools
 from tqdm import tqdm
 
 import models
+from paxkv.batch_runner import encode_chat, encode_prompt
 from paxkv.config import EngineConfig
 from paxkv.engine import Engine
 from paxkv.outputs import RequestOutput
@@ -58,11 +59,8 @@ class LLM:
         conversations = messages_or_conversations
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        tokenizer = self._require_tokenizer()
-        prompts = [tokenizer.apply_chat_template(messages, add_generation_prompt=True) for messages in conversations]
-        token_ids = [tokenizer.encode(prompt, add_special_tokens=False) for prompt in prompts]
-        requests = list(zip(prompts, token_ids, strict=True))
-        return self._run(requests, self._broadcast(sampling_params, prompts), use_tqdm)
+        requests = [encode_chat(self.loaded.tokenizer, messages) for messages in conversations]
+        return self._run(requests, self._broadcast(sampling_params, requests), use_tqdm)
 
     def _broadcast(self, sampling_params, prompts) -> list[SamplingParams]:
         """One SamplingParams per prompt."""
@@ -70,27 +68,18 @@ class LLM:
             return [sampling_params or SamplingParams()] * len(prompts)
         return list(sampling_params)
 
-    def _require_tokenizer(self):
-        """The tokenizer, or a clear error for weights-only checkpoints."""
-        if self.loaded.tokenizer is None:
-            raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
-        return self.loaded.tokenizer
-
     def _tokenize(self, index: int, prompt) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) for a string or a token-id list."""
-        if isinstance(prompt, str):
-            return prompt, self._require_tokenizer().encode(prompt)
         try:
-            token_ids = [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise ValueError(f"prompt {index} is neither a string nor a list of token ids: {prompt!r:.80}") from None
-        return None, token_ids
+            token_ids = encode_prompt(self.loaded.tokenizer, prompt)
+        except (TypeError, ValueError) as e:
+            if isinstance(prompt, str):
+                raise
+            raise ValueError(f"prompt {index} is neither a string nor a list of token ids: {prompt!r:.80}") from e
+        return (prompt if isinstance(prompt, str) else None), token_ids
 
     def _run(self, requests, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         """Add every request (all or none), step until all finish, return outputs in order."""
-        for params in sampling_params:
-            if params.n != 1:
-                raise ValueError(f"n={params.n}: parallel sampling is not supported yet; use n=1")
         ids = [f"llm-{next(self._request_ids)}" for _ in requests]
         added = []
         try:

@@ -1,17 +1,44 @@
-"""The `paxkv` command line: load a model and complete prompts greedily, streaming the text."""
+"""The `paxkv` command line: run prompts (flags or a JSONL file) through the paged engine.
+
+paxkv --chat --prompt "What is the capital of France?" --max_tokens 24 --temperature 0
+paxkv --prompts_file prompts.jsonl --output results.jsonl --max_num_seqs 64
+"""
 
 import json
+import re
 import sys
-import time
 
 from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "HF folder, .gguf file or orbax folder; default: the embedded SmolLM2.")
-flags.DEFINE_multi_string("prompt", ["What is the capital of France?"], "Prompt(s) to complete; repeatable.")
-flags.DEFINE_bool("chat", True, "Wrap each prompt as a user message in the model's chat template.")
-flags.DEFINE_integer("max_tokens", 64, "Most tokens to generate per prompt.", lower_bound=1)
+flags.DEFINE_multi_string("prompt", None, "A prompt to complete; repeatable.")
+flags.DEFINE_string(
+    "prompts_file",
+    None,
+    'JSONL, one object per line: "prompt" (text or token ids) or "messages" (chat), optional "id", and any '
+    "SamplingParams fields, which override the flags.",
+)
+flags.DEFINE_bool("chat", False, "Treat each --prompt as a user message and apply the model's chat template.")
+flags.DEFINE_string("output", None, "Write one JSON object per request (in input order) to this JSONL file.")
+flags.DEFINE_bool("skip_bad_lines", False, "Report bad --prompts_file lines and run the rest, instead of stopping.")
+flags.DEFINE_bool("progress", True, "Show a progress bar on stderr.")
+# Sampling defaults; None leaves SamplingParams' own default.
+flags.DEFINE_integer("max_tokens", 64, "Most tokens to generate per prompt.")
+flags.DEFINE_float("temperature", None, "Sampling temperature; 0 is greedy (default 1.0).")
+flags.DEFINE_float("top_p", None, "Nucleus sampling mass in (0, 1] (default 1: off).")
+flags.DEFINE_integer("top_k", None, "Keep the k most likely tokens; 0 or -1 is off (default).")
+flags.DEFINE_float("min_p", None, "Drop tokens below min_p times the top probability (default 0: off).")
+flags.DEFINE_integer("seed", None, "Sampling seed for every request (default: the engine draws one per request).")
+# Engine.
+flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
+flags.DEFINE_string("kv_cache_memory", "1GiB", "KV page pool budget, e.g. 512MiB, 2GiB or a byte count.")
+flags.DEFINE_integer("num_pages", None, "Pages in the pool (overrides --kv_cache_memory).")
+flags.DEFINE_integer("max_num_seqs", 32, "Most sequences in one step.")
+flags.DEFINE_integer("max_num_batched_tokens", 512, "Most tokens in one step.")
+flags.DEFINE_integer("max_model_len", None, "Longest prompt plus output (default: min(model context, 4096)).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter storage dtype.")
+flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "float32", "bfloat16"], "KV pool dtype; auto is --dtype.")
 flags.DEFINE_enum("attention_impl", "auto", ["auto", "pallas", "interpret", "xla"], "Attention implementation.")
 flags.DEFINE_string(
     "compilation_cache_dir",
@@ -19,95 +46,174 @@ flags.DEFINE_string(
     "JAX persistent compilation cache folder "
     "(default $PAXKV_COMPILATION_CACHE_DIR or ~/.cache/paxkv/jax_compilation_cache).",
 )
-flags.DEFINE_string("metrics_json", None, "Write load time and token rates to this JSON file.")
+flags.DEFINE_string("metrics_json", None, "Write the engine's metrics and the run summary to this JSON file.")
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20}
+_SIZE_UNITS.update({"g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40})
 
 
-def complete(loaded, prompt: str, *, chat: bool, max_tokens: int, out=sys.stdout) -> dict:
-    """Stream one greedy completion to `out` and return its timings.
+def parse_memory_size(text: str) -> int:
+    """Bytes from a size such as "512MiB", "2GiB", "1.5G" or "1000000".
 
     Args:
-      loaded: a models.LoadedModel with a tokenizer.
-      prompt: the user's text.
-      chat: wrap the prompt as a user message in the chat template.
-      max_tokens: the most tokens to generate.
-      out: where the text streams.
+      text: a number with an optional unit (B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB; case-insensitive).
     """
-    from models import greedy_tokens
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match and match.group(2).lower()
+    if not match or unit not in _SIZE_UNITS:
+        raise ValueError(f"cannot read {text!r} as a memory size; write e.g. 512MiB, 2GiB or a byte count")
+    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size < 1:
+        raise ValueError(f"memory size {text!r} is not positive")
+    return size
 
-    tokenizer = loaded.tokenizer
-    if chat:
-        prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True)
-    else:
-        prompt_ids = tokenizer.encode(prompt)
-    detokenizer = tokenizer.detokenizer()
-    start = time.perf_counter()
-    first_token_at = second_token_at = None
-    generated = []
-    for token in greedy_tokens(
-        loaded.graphdef,
-        loaded.state,
-        loaded.config,
-        prompt_ids,
-        max_tokens,
-        stop_token_ids=loaded.generation_config.eos_token_ids,
-    ):
-        now = time.perf_counter()
-        if first_token_at is None:
-            first_token_at = now
-        elif second_token_at is None:
-            second_token_at = now  # the first decode step may include compilation; rate is timed after it
-        generated.append(token)
-        out.write(detokenizer.step(token))
-        out.flush()
-    out.write(detokenizer.flush() + "\n")
-    end = time.perf_counter()
-    steady_tokens = len(generated) - 2
+
+def _sampling_defaults() -> dict:
+    """The sampling fields the flags set."""
+    defaults = {"max_tokens": FLAGS.max_tokens}
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+        if getattr(FLAGS, name) is not None:
+            defaults[name] = getattr(FLAGS, name)
+    return defaults
+
+
+def _collect_lines(defaults: dict):
+    """Every request to run, as PromptLine or BadLine, from --prompt then --prompts_file."""
+    from paxkv.prompts_file import BadLine, PromptLine, parse_lines
+    from paxkv.sampling_params import SamplingParams
+
+    lines: list = []
+    for index, prompt in enumerate(FLAGS.prompt or []):
+        try:
+            params = SamplingParams.from_dict(defaults)
+        except ValueError as e:
+            raise app.UsageError(str(e)) from None
+        messages = [{"role": "user", "content": prompt}] if FLAGS.chat else None
+        lines.append(PromptLine(None, f"prompt-{index}", None if FLAGS.chat else prompt, messages, params))
+    if FLAGS.prompts_file:
+        try:
+            with open(FLAGS.prompts_file, encoding="utf-8") as f:
+                lines += parse_lines(f, defaults, FLAGS.prompts_file)
+        except OSError as e:
+            raise app.UsageError(f"cannot read --prompts_file: {e}") from None
+        except UnicodeDecodeError as e:
+            raise app.UsageError(f"--prompts_file {FLAGS.prompts_file} is not UTF-8 text ({e.reason})") from None
+    if not lines:
+        raise app.UsageError("nothing to run: give --prompt (repeatable) or --prompts_file")
+    bad = [line for line in lines if isinstance(line, BadLine)]
+    if bad and not FLAGS.skip_bad_lines:
+        errors = "\n".join(line.error for line in bad)
+        sys.exit(f"paxkv: {len(bad)} bad line(s); fix them or pass --skip_bad_lines to run the rest:\n{errors}")
+    return lines
+
+
+def _summary(engine, wall_seconds: float, num_failed: int) -> dict:
+    """The end-of-run summary as a dict."""
+    metrics = engine.metrics
     return {
-        "prompt_tokens": len(prompt_ids),
-        "generated_tokens": len(generated),
-        "time_to_first_token_s": first_token_at - start,
-        "decode_tokens_per_s": steady_tokens / (end - second_token_at) if steady_tokens > 0 else None,
+        "requests": metrics.num_finished_requests,
+        "rejected_requests": num_failed,
+        "prompt_tokens": metrics.num_prompt_tokens,
+        "generated_tokens": metrics.num_generated_tokens,
+        "wall_seconds": wall_seconds,
+        "generated_tokens_per_s": metrics.num_generated_tokens / wall_seconds if wall_seconds > 0 else 0.0,
+        "total_tokens_per_s": (metrics.num_prompt_tokens + metrics.num_generated_tokens) / wall_seconds
+        if wall_seconds > 0
+        else 0.0,
+        "peak_kv_pages_used": metrics.peak_kv_pages_used,
+        "kv_pages_total": metrics.num_total_pages,
+        "kv_waste_percent": 100 * metrics.kv_waste_fraction,
+        "preemptions": metrics.num_preemptions,
+        "compilations": metrics.num_compilations,
     }
 
 
+def _print_summary(summary: dict) -> None:
+    print(
+        f"# {summary['requests']} requests finished, {summary['rejected_requests']} rejected; "
+        f"{summary['prompt_tokens']} prompt + {summary['generated_tokens']} generated tokens in "
+        f"{summary['wall_seconds']:.1f} s: {summary['generated_tokens_per_s']:.1f} generated tok/s, "
+        f"{summary['total_tokens_per_s']:.1f} total tok/s\n"
+        f"# KV: peak {summary['peak_kv_pages_used']}/{summary['kv_pages_total']} pages, "
+        f"waste {summary['kv_waste_percent']:.1f}%, {summary['preemptions']} preemptions, "
+        f"{summary['compilations']} step compilations",
+        file=sys.stderr,
+    )
+
+
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; prompts go in --prompt or --prompts_file")
     if not FLAGS["verbosity"].present:
         # Quiet by default: library INFO lines (e.g. JAX probing for a TPU) are noise; --verbosity=0 shows them.
         logging.set_verbosity(logging.WARNING)
-    from models import CheckpointError, load
-    from paxkv.compilation_cache import enable_compilation_cache
+    lines = _collect_lines(_sampling_defaults())
+    try:
+        engine_config_kwargs = dict(
+            page_size=FLAGS.page_size,
+            num_pages=FLAGS.num_pages,
+            kv_cache_memory_bytes=parse_memory_size(FLAGS.kv_cache_memory),
+            max_num_seqs=FLAGS.max_num_seqs,
+            max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+            max_model_len=FLAGS.max_model_len,
+            kv_cache_dtype=FLAGS.kv_cache_dtype,
+        )
+        from paxkv.config import EngineConfig
 
-    cache_dir = enable_compilation_cache(FLAGS.compilation_cache_dir)
-    logging.info("JAX compilation cache: %s", cache_dir)
+        engine_config = EngineConfig(**engine_config_kwargs)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+
+    from models import CheckpointError, load
+    from paxkv.batch_runner import BadRequestsError, run_lines
+    from paxkv.compilation_cache import enable_compilation_cache
+    from paxkv.engine import Engine
+
+    enable_compilation_cache(FLAGS.compilation_cache_dir)
     try:
         loaded = load(FLAGS.model, dtype=FLAGS.dtype, attention_impl=FLAGS.attention_impl)
+        engine = Engine(loaded, engine_config)
     except (CheckpointError, ValueError) as e:
         sys.exit(f"paxkv: {e}")
     print(
-        f"# model {loaded.source} ({loaded.config.model_type}, {loaded.config.num_layers} layers), "
-        f"loaded in {loaded.load_seconds:.1f} s",
+        f"# model {loaded.source} ({loaded.config.model_type}, {loaded.config.num_layers} layers), loaded in "
+        f"{loaded.load_seconds:.1f} s; KV pool {engine.allocator.num_total_pages} pages of {engine_config.page_size} "
+        f"tokens ({engine.kv_cache_bytes / 2**20:.0f} MiB)",
         file=sys.stderr,
     )
-    results = []
-    for prompt in FLAGS.prompt:
-        try:
-            stats = complete(loaded, prompt, chat=FLAGS.chat, max_tokens=FLAGS.max_tokens)
-        except ValueError as e:  # a bad prompt fails alone; the others still run
-            print(f"paxkv: prompt {prompt[:40]!r} rejected: {e}", file=sys.stderr)
-            results.append({"prompt": prompt, "error": str(e)})
-            continue
-        results.append({"prompt": prompt, **stats})
-        rate = stats["decode_tokens_per_s"]
-        print(
-            f"# {stats['prompt_tokens']} prompt tokens, {stats['generated_tokens']} generated, "
-            f"first token {stats['time_to_first_token_s']:.2f} s" + (f", decode {rate:.1f} tok/s" if rate else ""),
-            file=sys.stderr,
+    stream = FLAGS.output is None and len(lines) == 1
+    try:
+        records, wall_seconds = run_lines(
+            engine,
+            lines,
+            skip_bad_lines=FLAGS.skip_bad_lines,
+            stream_to=sys.stdout if stream else None,
+            progress=FLAGS.progress and not stream,
         )
+    except BadRequestsError as e:
+        sys.exit(f"paxkv: {len(e.errors)} request(s) cannot run; fix them or pass --skip_bad_lines:\n{e}")
+    num_failed = sum("error" in record for record in records)
+    if FLAGS.output:
+        with open(FLAGS.output, "w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    elif not stream:
+        for record in records:
+            print(f"--- {record['id']}")
+            print(record.get("text", f"[error] {record.get('error')}"))
+    for record in records:
+        if "error" in record:
+            print(f"paxkv: {record['error']}", file=sys.stderr)
+    summary = _summary(engine, wall_seconds, num_failed)
+    _print_summary(summary)
     if FLAGS.metrics_json:
         with open(FLAGS.metrics_json, "w") as f:
-            json.dump({"load_seconds": loaded.load_seconds, "requests": results}, f, indent=2)
-    if any("error" in r for r in results):
+            json.dump(
+                {"load_seconds": loaded.load_seconds, "summary": summary, "engine": engine.metrics.as_dict()},
+                f,
+                indent=2,
+            )
+    if num_failed and not FLAGS.skip_bad_lines:
         sys.exit(1)
 
 

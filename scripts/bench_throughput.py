@@ -505,7 +505,11 @@ def _save_smollm2_hf(gguf_path: str, folder: str) -> None:
 
     directory, name = os.path.split(gguf_path)
     source = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    target = transformers.LlamaForCausalLM(source.config)  # save_pretrained refuses a model loaded from a GGUF
+    config = source.config.to_dict()
+    config.pop("quantization_config", None)  # it names the GGUF, which vllm refuses; the saved weights are plain f32
+    config["architectures"] = ["LlamaForCausalLM"]
+    # A fresh model holding the same tensors: save_pretrained refuses the one loaded from a GGUF.
+    target = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_dict(config))
     target.load_state_dict(source.state_dict())
     target.save_pretrained(folder)
     transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(folder)
@@ -720,6 +724,13 @@ def _fmt(value, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
+def _summary(message: str) -> str:
+    """The line of an error message (often a traceback) that names the error."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    named = [line for line in lines if "Error" in line or "error" in line]
+    return (named or lines or [""])[-1]
+
+
 def _markdown(result: dict) -> str:
     """The rows as a markdown table, headed by the settings, machine and roofline."""
     s = result["settings"]
@@ -760,7 +771,7 @@ def _markdown(result: dict) -> str:
         lines += ["", "Errors:"]
         for error in result["errors"]:
             where = f"{error['system']}/{error['model']} batch {error['batch']}"
-            lines.append(f"- {where}: {error['message'].strip().splitlines()[-1]}")
+            lines.append(f"- {where}: {_summary(error['message'])}")
     return "\n".join(lines) + "\n"
 
 

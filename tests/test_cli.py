@@ -1,4 +1,4 @@
-"""The `paxkv` command line, end to end on the embedded SmolLM2."""
+"""The `paxkv` command line, end to end on the embedded SmolLM2: chat, JSONL round trip, bad lines."""
 
 import json
 import os
@@ -14,18 +14,82 @@ def _run_cli(*args, timeout=600):
     )
 
 
-def test_cli_answers_and_writes_metrics(tmp_path):
+def test_chat_question_is_answered_and_summarized(tmp_path):
     metrics = tmp_path / "metrics.json"
-    result = _run_cli("--prompt=What is the capital of France?", "--max_tokens=16", f"--metrics_json={metrics}")
+    result = _run_cli(
+        "--chat",
+        "--prompt=What is the capital of France?",
+        "--max_tokens=24",
+        "--temperature=0",
+        f"--metrics_json={metrics}",
+        "--num_pages=64",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Paris" in result.stdout
+    assert "requests finished" in result.stderr and "KV: peak" in result.stderr
     report = json.loads(metrics.read_text())
-    assert report["load_seconds"] > 0
-    (request,) = report["requests"]
-    assert request["prompt_tokens"] > 10 and 1 <= request["generated_tokens"] <= 16
+    summary = report["summary"]
+    assert summary["requests"] == 1 and summary["rejected_requests"] == 0
+    assert summary["prompt_tokens"] > 10 and 1 <= summary["generated_tokens"] <= 24
+    assert 1 <= summary["peak_kv_pages_used"] <= 4 and summary["kv_pages_total"] == 63
+    assert 0 <= summary["kv_waste_percent"] < 100 and summary["preemptions"] == 0
+    assert report["engine"]["num_finished_requests"] == 1
 
 
-def test_cli_missing_model_fails_with_a_clear_message(tmp_path):
-    result = _run_cli(f"--model={tmp_path / 'nope'}", timeout=120)
+def test_jsonl_round_trip_with_bad_lines_skipped(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [
+        {"id": "italy", "prompt": "The capital of Italy is", "max_tokens": 6},
+        {"id": "sum", "messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 16},
+        {"prompt": "oops", "bogus": 1},
+        "not json",
+        {"id": "ids", "prompt": [1, 2, 3], "max_tokens": 4, "logprobs": 2},
+        {"id": "long", "prompt": "word " * 200},
+    ]
+    prompts.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
+    output = tmp_path / "out.jsonl"
+    result = _run_cli(
+        f"--prompts_file={prompts}",
+        f"--output={output}",
+        "--skip_bad_lines",
+        "--temperature=0",
+        "--max_model_len=128",
+        "--num_pages=64",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["italy", "sum", "line-3", "line-4", "ids", "long"]
+    assert [r["line"] for r in records] == [1, 2, 3, 4, 5, 6]
+    italy, total, unknown, malformed, ids, long = records
+    assert "Rome" in italy["text"] and italy["num_generated_tokens"] == 6 and italy["finish_reason"] == "length"
+    assert "4" in total["text"] and total["finish_reason"] == "stop"
+    assert "prompts.jsonl:3: unknown field(s) ['bogus']" in unknown["error"]
+    assert ":4: not valid JSON" in malformed["error"]
+    assert "line 6:" in long["error"] and "max_model_len is 128" in long["error"]
+    assert ids["prompt"] is None and len(ids["token_ids"]) == 4
+    assert all(len(entry) >= 2 and entry[0]["rank"] == 1 for entry in ids["logprobs"])
+    assert "requests finished, 3 rejected" in result.stderr
+
+
+def test_bad_lines_stop_the_run_before_anything_loads(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n{"prompt": "hot", "temperature": -1}\n{"prompt": "x", "top_k": -2}\n')
+    output = tmp_path / "out.jsonl"
+    result = _run_cli(f"--prompts_file={prompts}", f"--output={output}", timeout=120)
+    assert result.returncode != 0
+    assert "prompts.jsonl:2: temperature must be >= 0" in result.stderr
+    assert "prompts.jsonl:3: top_k must be -1 or 0" in result.stderr
+    assert "--skip_bad_lines" in result.stderr and "Traceback" not in result.stderr
+    assert not output.exists()
+
+
+def test_missing_model_fails_with_a_clear_message(tmp_path):
+    result = _run_cli(f"--model={tmp_path / 'nope'}", "--prompt=hi", timeout=120)
     assert result.returncode != 0
     assert "does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_no_prompt_is_a_usage_error():
+    result = _run_cli(timeout=120)
+    assert result.returncode != 0
+    assert "give --prompt" in result.stderr and "Traceback" not in result.stderr

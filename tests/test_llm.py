@@ -1,8 +1,12 @@
 """The LLM batch API on the embedded SmolLM2: chat, prompt forms, input order, bad input."""
 
+import io
+
 import pytest
 
 from paxkv import LLM, SamplingParams
+from paxkv.batch_runner import BadRequestsError, run_lines
+from paxkv.prompts_file import PromptLine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
@@ -50,3 +54,34 @@ def test_bad_prompt_fails_the_call_and_leaves_the_engine_clean(llm):
         llm.generate(["x"], [GREEDY, GREEDY], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.allocator.num_used_pages == 0
+
+
+def test_min_tokens_holds_back_the_end_of_turn(llm):
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    (free,) = llm.chat(question, SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)
+    assert free.outputs[0].finish_reason == "stop" and len(free.outputs[0].token_ids) < 20
+    held = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20)
+    (forced,) = llm.chat(question, held, use_tqdm=False)
+    assert len(forced.outputs[0].token_ids) == 20 and forced.outputs[0].finish_reason == "length"
+    eos_ids = set(llm.loaded.generation_config.eos_token_ids)
+    assert not eos_ids & set(forced.outputs[0].token_ids)
+
+
+def test_streamed_text_never_shows_a_stop_string_that_is_cut(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=16, stop=[", 5"])
+    line = PromptLine(None, "count", "1, 2, 3,", None, params)
+    stream = io.StringIO()
+    (record,), _ = run_lines(llm.engine, [line], stream_to=stream)
+    assert record["text"] == " 4" and record["finish_reason"] == "stop" and record["stop_reason"] == ", 5"
+    assert stream.getvalue() == " 4\n"
+
+
+def test_batch_runner_admits_all_or_nothing_unless_skipping(llm):
+    good = PromptLine(1, "good", "The sky is", None, GREEDY)
+    too_long = PromptLine(2, "long", "word " * 5000, None, GREEDY)
+    with pytest.raises(BadRequestsError, match="line 2: .*max_model_len"):
+        run_lines(llm.engine, [good, too_long], skip_bad_lines=False)
+    assert not llm.engine.has_unfinished_requests() and llm.engine.allocator.num_used_pages == 0
+    records, _ = run_lines(llm.engine, [good, too_long], skip_bad_lines=True)
+    assert records[0]["id"] == "good" and len(records[0]["token_ids"]) == 16
+    assert records[1]["id"] == "long" and "max_model_len" in records[1]["error"]

@@ -1,0 +1,115 @@
+"""Drive an Engine over a list of prompt lines: tokenize, admit all, step to the end, one record per line."""
+
+import time
+
+from tqdm import tqdm
+
+from paxkv.engine import Engine
+from paxkv.prompts_file import BadLine, PromptLine, result_record
+
+
+def encode_prompt(tokenizer, prompt) -> list[int]:
+    """Token ids of a text prompt (with the tokenizer's special tokens) or a token-id list as is.
+
+    Args:
+      tokenizer: the model's tokenizer, or None for weights-only checkpoints.
+      prompt: a string or a list of token ids.
+    """
+    if not isinstance(prompt, str):
+        return [int(token_id) for token_id in prompt]
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer; give the prompt as a list of token ids")
+    return tokenizer.encode(prompt)
+
+
+def encode_chat(tokenizer, messages) -> tuple[str, list[int]]:
+    """(templated text, token ids) of a conversation, ready for the assistant's turn.
+
+    Args:
+      tokenizer: the model's tokenizer; None is an error.
+      messages: a list of {"role", "content"} dicts.
+    """
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer, so it has no chat template; give token ids instead")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+class BadRequestsError(ValueError):
+    """Some lines could not be admitted; nothing ran."""
+
+    def __init__(self, errors: list[str]):
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+def run_lines(
+    engine: Engine,
+    lines: list[PromptLine | BadLine],
+    *,
+    skip_bad_lines: bool = True,
+    stream_to=None,
+    progress: bool = False,
+) -> tuple[list[dict], float]:
+    """Run every good line to completion; return one record per line in input order, and the wall time.
+
+    Every line is tokenized and admitted before the first step, so a line that can never run is found at once.
+    With skip_bad_lines False, any bad line raises BadRequestsError and nothing runs; otherwise bad lines
+    become error records and the rest run.
+
+    Args:
+      engine: the engine to drive; it should have no unfinished requests.
+      lines: parsed lines (PromptLine) and parse failures (BadLine).
+      skip_bad_lines: run the good lines even when some are bad.
+      stream_to: a text stream to write the first request's text to as it is generated (for one prompt).
+      progress: show a tqdm bar of finished requests on stderr.
+    """
+    tokenizer = engine.loaded.tokenizer
+    records: dict[int, dict] = {}
+    admitted: dict[str, int] = {}
+    errors = []
+    for index, line in enumerate(lines):
+        where = f"line {line.line_number}: " if line.line_number is not None else f"prompt {line.request_id}: "
+        if isinstance(line, BadLine):
+            records[index] = result_record(line.line_number, line.request_id, error=line.error)
+            errors.append(line.error)
+            continue
+        try:
+            if line.messages is not None:
+                text, token_ids = encode_chat(tokenizer, line.messages)
+            else:
+                text = line.prompt if isinstance(line.prompt, str) else None
+                token_ids = encode_prompt(tokenizer, line.prompt)
+            engine.add_request(line.request_id, token_ids, line.sampling_params, prompt=text)
+            admitted[line.request_id] = index
+        except ValueError as e:
+            message = f"{where}{e}"
+            records[index] = result_record(line.line_number, line.request_id, error=message)
+            errors.append(message)
+    if errors and not skip_bad_lines:
+        for request_id in admitted:
+            engine.abort(request_id)
+        raise BadRequestsError(errors)
+    start = time.perf_counter()
+    stream_id = next(iter(admitted), None) if stream_to is not None else None
+    num_streamed = 0
+    if stream_id is not None:
+        # Text that could still become the start of a stop string (which is cut off) waits until it cannot.
+        stops = lines[admitted[stream_id]].sampling_params.stop
+        holdback = max((len(stop) for stop in stops), default=1) - 1
+    with tqdm(total=len(admitted), disable=not progress, desc="requests", unit="req") as bar:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.request_id == stream_id:
+                    text = output.outputs[0].text
+                    ready = len(text) if output.finished else max(num_streamed, len(text) - holdback)
+                    stream_to.write(text[num_streamed:ready])
+                    stream_to.flush()
+                    num_streamed = ready
+                if output.finished:
+                    index = admitted[output.request_id]
+                    records[index] = result_record(lines[index].line_number, output.request_id, output)
+                    bar.update(1)
+    if stream_id is not None:
+        stream_to.write("\n")
+    return [records[index] for index in range(len(lines))], time.perf_counter() - start
