@@ -48,10 +48,14 @@ def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
     return jnp.searchsorted(cu_q_lens[1:], token_index, side="right").astype(jnp.int32)
 
 
-KV_READS = ("auto", "per_token", "per_sequence")
-# Tokens of KV read per loop step, and query tokens per block, on the per-sequence path.
+KV_READS = ("auto", "per_token", "per_sequence", "per_block")
+# Tokens of KV read per loop step, and query tokens per block, on the blocked paths.
 _KV_BLOCK_TOKENS = 128
 _Q_BLOCK_TOKENS = 128
+# KV tokens per loop step when each token reads its own pages: small, since short sequences would waste the rest.
+_PER_TOKEN_KV_BLOCK_TOKENS = 32
+# On the per_block path, a query block spanning more sequence rows than this reads pages per token instead.
+_MAX_ROWS_PER_BLOCK = 4
 
 
 def _online_softmax_step(carry, scores, visible, weighted_values, soft_cap):
@@ -81,11 +85,14 @@ def ragged_paged_attention_reference(
 ) -> jax.Array:  # [T, num_q_heads, D]
     """Causal attention of each new token over its sequence's pages, with an online softmax.
 
-    Two ways to read the pages give the same result at different costs:
-    `per_token` gathers each token's page (memory O(T * page_size), best for decode
+    Three ways to read the pages give the same result at different costs:
+    `per_token` gathers each token's own pages (memory O(T * block), best for decode
     batches); `per_sequence` reads each sequence's pages once and scores every token
-    against them as one matmul, masking other sequences (O(T * S) work, best when few
-    sequences carry many tokens, as in prefill). `auto` picks per_sequence for S <= 4.
+    against them as one matmul, masking other sequences (O(T * S) work); `per_block`
+    (what `auto` runs) splits the tokens into query blocks and, in each, loops over only
+    the sequences present, one matmul per KV block, or reads per token when a block spans
+    many sequences (decode tokens). Prefill chunks of many sequences then cost about
+    their causal FLOPs.
 
     Args:
       q: queries of the new tokens, already rotated.
@@ -104,7 +111,7 @@ def ragged_paged_attention_reference(
         raise ValueError(f"kv_read={kv_read!r} is not one of {KV_READS}")
     num_rows = metadata.kv_lens.shape[0]
     if kv_read == "auto":
-        kv_read = "per_sequence" if num_rows <= 4 else "per_token"
+        kv_read = "per_block"
 
     seq_ids = token_sequence_ids(metadata.cu_q_lens, num_tokens)  # i32[T]
     live = seq_ids < jnp.minimum(metadata.num_seqs[0], num_rows)  # bool[T]
@@ -119,6 +126,8 @@ def ragged_paged_attention_reference(
     scaled_q = q.astype(jnp.float32) * sm_scale
     if kv_read == "per_token":
         out = _attend_per_token(scaled_q, kv_pages, metadata.block_tables, tokens, sliding_window, soft_cap)
+    elif kv_read == "per_block":
+        out = _attend_per_block(scaled_q, kv_pages, metadata.block_tables, tokens, sliding_window, soft_cap)
     else:
         seq_kv_lens = jnp.where(jnp.arange(num_rows) < metadata.num_seqs[0], metadata.kv_lens, 0)  # i32[S]
         out = _attend_per_sequence(
@@ -143,28 +152,44 @@ def _visibility(kv_positions, query_positions, kv_lens, sliding_window):  # -> b
     return visible
 
 
+def _pad_block_tables(
+    block_tables: jax.Array, page_size: int, block_tokens: int = _KV_BLOCK_TOKENS
+) -> tuple[jax.Array, int]:
+    """Pad block tables (with the null page) to whole KV blocks of about `block_tokens`; return them and the
+    pages per block."""
+    pages_per_seq = block_tables.shape[1]
+    pages_per_block = max(1, min(block_tokens // page_size, pages_per_seq))
+    pad = -pages_per_seq % pages_per_block
+    return jnp.pad(block_tables, ((0, 0), (0, pad))), pages_per_block
+
+
 def _attend_per_token(q, kv_pages, block_tables, tokens, sliding_window, soft_cap):
-    """Each token gathers its own sequence's page at every step: [T, P] scores per step."""
+    """Each token gathers its own sequence's next KV block at every step: [T, B] scores per step."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, two_k, _ = kv_pages.shape
     num_kv_heads = two_k // 2
     group = num_q_heads // num_kv_heads
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    token_block_tables = block_tables[tokens.row]  # i32[T, pages_per_seq]
+    block_tables, pages_per_block = _pad_block_tables(block_tables, page_size, _PER_TOKEN_KV_BLOCK_TOKENS)
+    block_size = pages_per_block * page_size
+    token_block_tables = block_tables[tokens.row]  # i32[T, padded pages_per_seq]
 
-    def attend_page(step, carry):
-        page = kv_pages[token_block_tables[:, step]].astype(jnp.float32)  # [T, P, 2K, D]
-        keys, values = page[:, :, 0::2, :], page[:, :, 1::2, :]  # [T, P, K, D]
+    def attend_block(step, carry):
+        page_ids = jax.lax.dynamic_slice_in_dim(token_block_tables, step * pages_per_block, pages_per_block, 1)
+        block = kv_pages[page_ids].astype(jnp.float32).reshape(num_tokens, block_size, num_kv_heads, 2, head_dim)
+        # [T, K, B, D] each: (token, kv head) lead, so both products are plain batched matmuls.
+        keys = block[:, :, :, 0].transpose(0, 2, 1, 3)
+        values = block[:, :, :, 1].transpose(0, 2, 1, 3)
+        kv_positions = step * block_size + jnp.arange(block_size)
         # Slots past a sequence's length (stale or null-page data, possibly NaN) must not reach
         # the output: a zero probability times NaN is still NaN.
-        in_sequence = step * page_size + jnp.arange(page_size)[None, :] < tokens.kv_lens[:, None]  # [T, P]
-        values = jnp.where(in_sequence[:, :, None, None], values, 0.0)
-        scores = jnp.einsum("tkgd,tpkd->tkgp", qg, keys)  # [T, K, G, P]
-        kv_positions = step * page_size + jnp.arange(page_size)
+        in_sequence = kv_positions[None, :] < tokens.kv_lens[:, None]  # [T, B]
+        values = jnp.where(in_sequence[:, None, :, None], values, 0.0)
+        scores = jnp.einsum("tkgd,tkbd->tkgb", qg, keys)  # [T, K, G, B]
         visible = _visibility(kv_positions, tokens.query_positions, tokens.kv_lens, sliding_window)
         visible = visible[:, None, None, :]
         return _online_softmax_step(
-            carry, scores, visible, lambda probs: jnp.einsum("tkgp,tpkd->tkgd", probs, values), soft_cap
+            carry, scores, visible, lambda probs: jnp.einsum("tkgb,tkbd->tkgd", probs, values), soft_cap
         )
 
     init = (
@@ -172,9 +197,107 @@ def _attend_per_token(q, kv_pages, block_tables, tokens, sliding_window, soft_ca
         jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
         jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
     )
-    num_steps = (jnp.max(tokens.kv_lens) + page_size - 1) // page_size
-    _, running_sum, acc = jax.lax.fori_loop(0, num_steps, attend_page, init)
+    start = 0
+    if sliding_window is not None:
+        live = tokens.kv_lens > 0
+        first_position = jnp.min(jnp.where(live, tokens.query_positions, jnp.iinfo(jnp.int32).max))
+        start = jnp.maximum(first_position - sliding_window + 1, 0) // block_size
+    num_steps = (jnp.max(tokens.kv_lens) + block_size - 1) // block_size
+    _, running_sum, acc = jax.lax.fori_loop(jnp.minimum(start, num_steps), num_steps, attend_block, init)
     out = acc / jnp.maximum(running_sum, 1e-30)[..., None]  # padded tokens stay 0
+    return out.reshape(num_tokens, num_q_heads, head_dim)
+
+
+def _attend_rows_of_block(q_heads, kv_pages, block_tables, pages_per_block, block_tokens, sliding_window, soft_cap):
+    """One query block against each sequence row present in it, one KV block per matmul.
+
+    Args:
+      q_heads: [K, Q * G, D] the block's queries, head-major (row t * G + g).
+      block_tables: [S, W] padded to whole KV blocks.
+      block_tokens: _TokenLayout of the block's Q tokens.
+    Returns:
+      [K, Q * G, D] attention output; padded tokens are 0.
+    """
+    num_kv_heads, rows, head_dim = q_heads.shape
+    q_block = block_tokens.row.shape[0]
+    group = rows // q_block
+    _, page_size, _, _ = kv_pages.shape
+    block_size = pages_per_block * page_size
+    live = block_tokens.kv_lens > 0  # bool[Q]
+    first_row = block_tokens.row[0]
+    last_row = jnp.max(jnp.where(live, block_tokens.row, -1))
+
+    def attend_row(row, carry):
+        own = live & (block_tokens.row == row)  # bool[Q]
+        kv_len = jnp.max(jnp.where(own, block_tokens.kv_lens, 0))
+        last_position = jnp.max(jnp.where(own, block_tokens.query_positions, -1))
+        stop = (last_position + block_size) // block_size
+        start = 0
+        if sliding_window is not None:
+            first_position = jnp.min(jnp.where(own, block_tokens.query_positions, jnp.iinfo(jnp.int32).max))
+            start = jnp.clip((first_position - sliding_window + 1) // block_size, 0, stop)
+        row_pages = block_tables[row]  # i32[W]
+
+        def attend_kv_block(step, carry):
+            page_ids = jax.lax.dynamic_slice_in_dim(row_pages, step * pages_per_block, pages_per_block)
+            block = kv_pages[page_ids].astype(jnp.float32)  # [pages_per_block, P, 2K, D]
+            block = block.reshape(block_size, num_kv_heads, 2, head_dim)
+            kv_positions = step * block_size + jnp.arange(block_size)
+            keys = block[:, :, 0].transpose(1, 2, 0)  # [K, D, B]
+            # Zero slots past the sequence's length: stale or null-page data (maybe NaN) would
+            # otherwise leak through zero probabilities.
+            values = jnp.where((kv_positions < kv_len)[None, :, None], block[:, :, 1].transpose(1, 0, 2), 0.0)
+            scores = jnp.matmul(q_heads, keys)  # [K, Q * G, B]
+            visible = own[:, None] & _visibility(
+                kv_positions, block_tokens.query_positions, block_tokens.kv_lens, sliding_window
+            )  # [Q, B]
+            visible = jnp.repeat(visible, group, axis=0)[None]  # [1, Q * G, B]
+            return _online_softmax_step(carry, scores, visible, lambda probs: jnp.matmul(probs, values), soft_cap)
+
+        return jax.lax.fori_loop(start, stop, attend_kv_block, carry)
+
+    init = (
+        jnp.full((num_kv_heads, rows), _MASK_VALUE, jnp.float32),
+        jnp.zeros((num_kv_heads, rows), jnp.float32),
+        jnp.zeros((num_kv_heads, rows, head_dim), jnp.float32),
+    )
+    _, running_sum, acc = jax.lax.fori_loop(first_row, last_row + 1, attend_row, init)
+    return acc / jnp.maximum(running_sum, 1e-30)[..., None]
+
+
+def _attend_per_block(q, kv_pages, block_tables, tokens, sliding_window, soft_cap):
+    """Query blocks of Q tokens: loop over the rows present, or read per token when a block spans many rows."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, two_k, _ = kv_pages.shape
+    num_kv_heads = two_k // 2
+    group = num_q_heads // num_kv_heads
+    padded_tables, pages_per_block = _pad_block_tables(block_tables, page_size)
+    q_block = _Q_BLOCK_TOKENS if num_tokens % _Q_BLOCK_TOKENS == 0 else num_tokens
+    num_q_blocks = num_tokens // q_block
+    blocked_q = q.reshape(num_q_blocks, q_block, num_q_heads, head_dim)
+    blocked = jax.tree.map(lambda a: a.reshape(num_q_blocks, q_block), tokens)
+
+    def attend_query_block(inputs):
+        q_blk, block_tokens = inputs  # [Q, N, D], _TokenLayout of [Q]
+        live = block_tokens.kv_lens > 0
+        num_block_rows = jnp.max(jnp.where(live, block_tokens.row, -1)) - block_tokens.row[0] + 1
+
+        def by_rows():
+            # [K, Q * G, D], row index t * G + g
+            q_heads = q_blk.reshape(q_block, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+            q_heads = q_heads.reshape(num_kv_heads, q_block * group, head_dim)
+            out = _attend_rows_of_block(
+                q_heads, kv_pages, padded_tables, pages_per_block, block_tokens, sliding_window, soft_cap
+            )
+            out = out.reshape(num_kv_heads, q_block, group, head_dim).transpose(1, 0, 2, 3)
+            return out.reshape(q_block, num_q_heads, head_dim)
+
+        def by_tokens():
+            return _attend_per_token(q_blk, kv_pages, block_tables, block_tokens, sliding_window, soft_cap)
+
+        return jax.lax.cond(num_block_rows > _MAX_ROWS_PER_BLOCK, by_tokens, by_rows)
+
+    out = jax.lax.map(attend_query_block, (blocked_q, blocked))  # [num_q_blocks, Q, N, D]
     return out.reshape(num_tokens, num_q_heads, head_dim)
 
 
@@ -189,11 +312,9 @@ def _attend_per_sequence(q, kv_pages, block_tables, kv_lens, tokens, sliding_win
     _, page_size, two_k, _ = kv_pages.shape
     num_kv_heads = two_k // 2
     group = num_q_heads // num_kv_heads
-    num_rows, pages_per_seq = block_tables.shape
-    pages_per_block = max(1, min(_KV_BLOCK_TOKENS // page_size, pages_per_seq))
+    num_rows = block_tables.shape[0]
+    block_tables, pages_per_block = _pad_block_tables(block_tables, page_size)
     block_size = pages_per_block * page_size
-    pad = -pages_per_seq % pages_per_block
-    block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))  # pads with the null page
     q_block = _Q_BLOCK_TOKENS if num_tokens % _Q_BLOCK_TOKENS == 0 else num_tokens
     num_q_blocks = num_tokens // q_block
     # [num_q_blocks, K, q_block * G, D], row index t * G + g within a block

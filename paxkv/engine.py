@@ -16,7 +16,7 @@ from paxkv.request import Request
 from paxkv.sampler import SamplingArrays
 from paxkv.sampling_params import SamplingParams
 from paxkv.scheduler import ScheduledBatch, Scheduler
-from paxkv.step import SampledTokens, engine_step, num_step_compilations
+from paxkv.step import SampledTokens, engine_step, num_step_compilations, static_graph
 from paxkv.step_inputs import StepInputs, num_buckets
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ class Engine:
         self.pages_per_seq = -(-self.max_model_len // config.page_size)
         self._seed_source = np.random.default_rng(config.seed)
         self._tracked: dict[str, _Tracked] = {}
+        self._graph = static_graph(loaded.graphdef)
         # (T bucket, S bucket, penalties?, suppress?, top logprobs?): each distinct one is one step program.
         self.step_shapes: set[tuple[int, int, bool, bool, bool]] = set()
         self.metrics = EngineMetrics(num_total_pages=num_pages - 1, page_size=config.page_size)
@@ -276,7 +277,7 @@ class Engine:
             (inputs.tokens.shape[0], num_rows, token_counts is not None, suppress is not None, with_top_logprobs)
         )
         sampled, self.kv_caches = engine_step(
-            self.loaded.graphdef,
+            self._graph,
             self.loaded.state,
             self.kv_caches,
             inputs,

@@ -15,15 +15,27 @@ from paxkv.sampling_params import SamplingParams
 class LLM:
     """Batch generation: `LLM(model).generate(prompts, SamplingParams(...))`."""
 
-    def __init__(self, model=None, *, dtype: str = "float32", **engine_config):
+    def __init__(
+        self,
+        model=None,
+        *,
+        dtype: str = "float32",
+        skip_tokenizer_init: bool = False,
+        attention_impl: str = "auto",
+        **engine_config,
+    ):
         """Load a model and start an engine over it.
 
         Args:
           model: anything models.load accepts; None is the embedded SmolLM2.
           dtype: parameter storage dtype.
+          skip_tokenizer_init: load weights only (as vLLM's flag); prompts must then be token-id lists.
+          attention_impl: auto | pallas | interpret | xla.
           **engine_config: EngineConfig fields (num_pages, max_num_seqs, max_num_batched_tokens, ...).
         """
-        self.loaded = models.load(model, dtype=dtype)
+        self.loaded = models.load(
+            model, dtype=dtype, attention_impl=attention_impl, require_tokenizer=not skip_tokenizer_init
+        )
         self.engine = Engine(self.loaded, EngineConfig(**engine_config))
         self._request_ids = itertools.count()
 

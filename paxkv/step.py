@@ -24,9 +24,32 @@ class SampledTokens:
     top_logprobs: jax.Array  # f32[S, MAX_LOGPROBS] their log-probabilities; [S, 0] unless asked for
 
 
+class StaticGraph:
+    """A graphdef as a jit static argument, hashed by identity: hashing a GraphDef walks the whole module tree,
+    which costs milliseconds on every call."""
+
+    __slots__ = ("graphdef",)
+
+    def __init__(self, graphdef: nnx.GraphDef):
+        self.graphdef = graphdef
+
+
+# id(graphdef) -> (graphdef, its StaticGraph). Holding the graphdef keeps its id from being reused, and one
+# StaticGraph per graphdef lets every engine over the same model share compiled steps.
+_STATIC_GRAPHS: dict[int, tuple[nnx.GraphDef, StaticGraph]] = {}
+
+
+def static_graph(graphdef: nnx.GraphDef) -> StaticGraph:
+    """The one StaticGraph of `graphdef`."""
+    entry = _STATIC_GRAPHS.get(id(graphdef))
+    if entry is None:
+        entry = _STATIC_GRAPHS[id(graphdef)] = (graphdef, StaticGraph(graphdef))
+    return entry[1]
+
+
 @functools.partial(jax.jit, static_argnums=(0, 8), donate_argnums=2)
 def engine_step(
-    graphdef: nnx.GraphDef,
+    graph: StaticGraph,
     state: nnx.State,
     kv_caches: list[jax.Array],  # num_layers x [num_pages, page_size, 2K, H]
     inputs: StepInputs,
@@ -41,14 +64,14 @@ def engine_step(
     A plain jax.jit over (graphdef, state) with the pool donated, so updates happen in place.
 
     Args:
-      graphdef, state: the split model (graphdef static).
+      graph, state: the split model (the graphdef, wrapped by static_graph, is static).
       kv_caches: the page pools, donated.
       inputs: the padded ragged batch.
       sampling: per-row sampling settings, seeds and positions.
       token_counts, prompt_mask, suppress: optional per-row vocabulary arrays (None compiles them away).
       with_top_logprobs: also return the MAX_LOGPROBS most likely tokens of each row (static).
     """
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graph.graphdef, state)
     hidden, kv_caches = model(inputs.tokens, inputs.positions, kv_caches, inputs.metadata)
     logits = model.logits(hidden[inputs.logits_indices]).astype(jnp.float32)  # f32[S, vocab]
     tokens, _ = sample(logits, sampling, token_counts, prompt_mask=prompt_mask, suppress=suppress)

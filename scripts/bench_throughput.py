@@ -137,29 +137,11 @@ class _PaxkvRunner:
             max_num_batched_tokens=spec["max_num_batched_tokens"],
             kv_cache_memory_bytes=spec["kv_cache_mib"] << 20,
         )
-        self.llm = self._construct(LLM, spec["source"], engine_config)
+        self.llm = LLM(spec["source"], skip_tokenizer_init=spec["model"] == "random_llama", **engine_config)
         loaded = self.llm.loaded
         self.params = sum(int(leaf.size) for leaf in jax.tree.leaves(loaded.state))  # a tied embedding is stored once
         self.vocab_size = loaded.config.vocab_size
         self.version = importlib.metadata.version("paxkv")
-
-    @staticmethod
-    def _construct(llm_class, source, engine_config):
-        """LLM(source); a folder without a tokenizer is loaded weights-only (LLM's signature cannot ask for that)."""
-        import functools
-        from unittest import mock
-
-        import models
-        from models.errors import CheckpointError
-
-        try:
-            return llm_class(source, **engine_config)
-        except CheckpointError as error:
-            if "tokenizer" not in str(error):
-                raise
-        print(f"paxkv: {source} has no tokenizer; loading it with require_tokenizer=False", file=sys.stderr)
-        with mock.patch.object(models, "load", functools.partial(models.load, require_tokenizer=False)):
-            return llm_class(source, **engine_config)
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float | None, list[list[int]], dict]:
         """Generate for every prompt; return (wall seconds, mean TTFT, generated ids per prompt, extras).

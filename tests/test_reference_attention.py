@@ -88,7 +88,7 @@ def _random_batch(rng, *, kv_lens, q_lens, page_size, num_kv_heads, group, head_
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("page_size", [8, 16, 32])
 @pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("kv_read", ["per_token", "per_sequence"])
+@pytest.mark.parametrize("kv_read", ["per_token", "per_sequence", "per_block"])
 def test_matches_dense_causal_attention(group, page_size, kv_dtype, kv_read):
     rng = np.random.default_rng(page_size * 10 + group)
     num_kv_heads, head_dim = 2, 16
@@ -146,7 +146,7 @@ def test_matches_dense_causal_attention(group, page_size, kv_dtype, kv_read):
     np.testing.assert_array_equal(flat_after[untouched], flat_before[untouched])
 
 
-@pytest.mark.parametrize("kv_read", ["per_token", "per_sequence"])
+@pytest.mark.parametrize("kv_read", ["per_token", "per_sequence", "per_block"])
 def test_sliding_window_matches_dense(kv_read):
     rng = np.random.default_rng(7)
     page_size, window, kv_len = 8, 5, 21
@@ -176,7 +176,7 @@ def test_sliding_window_matches_dense(kv_read):
 
 
 @pytest.mark.parametrize("chunk_sizes", [[1] * 19, [5, 5, 5, 4], [16, 3], [7, 1, 11]])
-@pytest.mark.parametrize("kv_read", ["per_token", "per_sequence"])
+@pytest.mark.parametrize("kv_read", ["per_token", "per_sequence", "per_block"])
 def test_chunked_prefill_equals_one_prefill(chunk_sizes, kv_read):
     rng = np.random.default_rng(len(chunk_sizes))
     page_size, num_kv_heads, group, head_dim, length = 8, 2, 2, 16, 19
@@ -234,13 +234,25 @@ def test_gqa_rejects_mismatched_heads():
         ragged_paged_attention_reference(jnp.zeros((1, 3, 4)), jnp.zeros((2, 4, 4, 4)), metadata, sm_scale=1.0)
 
 
+# (kv_lens, q_lens) of batches over several query blocks of 128 tokens.
+_MULTI_BLOCK_LAYOUTS = {
+    # A long prefill over history and a fresh one: 384 new tokens, 3 query blocks.
+    "two_prefills": ([340, 84], [300, 84]),
+    # Blocks holding 2 and 3 rows: the per_block path loops over the rows present.
+    "three_prefills": ([100, 160, 90], [100, 60, 90]),
+    # A long prefill, then decodes and short chunks: the second block spans 6 rows and reads per token.
+    "mixed": ([160, 33, 16, 40, 1, 130], [150, 1, 1, 40, 1, 30]),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(_MULTI_BLOCK_LAYOUTS))
 @pytest.mark.parametrize("sliding_window", [None, 100])
-def test_long_prefill_spans_several_query_blocks(sliding_window):
-    """Batches of 384+ tokens split into query blocks that skip KV blocks they cannot see."""
+@pytest.mark.parametrize("kv_read", ["per_sequence", "per_block"])
+def test_batches_over_several_query_blocks(layout, sliding_window, kv_read):
+    """Batches of 256+ tokens split into query blocks that skip KV blocks (and rows) they cannot see."""
     rng = np.random.default_rng(11)
     page_size, num_kv_heads, group, head_dim = 16, 2, 2, 16
-    # A long prefill over history, and a fresh one: 300 + 84 = 384 new tokens, 3 query blocks of 128.
-    kv_lens, q_lens = [340, 84], [300, 84]
+    kv_lens, q_lens = _MULTI_BLOCK_LAYOUTS[layout]
     pages, block_tables, dense_k, dense_v, q_all, slots = _random_batch(
         rng,
         kv_lens=kv_lens,
@@ -251,37 +263,39 @@ def test_long_prefill_spans_several_query_blocks(sliding_window):
         head_dim=head_dim,
         kv_dtype=jnp.float32,
     )
-    block_tables = block_tables[:2]
+    num_tokens = sum(q_lens)
+    padded = -(-num_tokens // 128) * 128
+    cu = np.full(PADDED_SEQS + 1, num_tokens, np.int32)
+    cu[: len(q_lens) + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    token_slots = np.zeros(padded, np.int32)
+    token_slots[:num_tokens] = np.concatenate(slots)
     metadata = AttentionMetadata(
-        slots=jnp.asarray(np.concatenate(slots)),
+        slots=jnp.asarray(token_slots),
         block_tables=jnp.asarray(block_tables),
-        cu_q_lens=jnp.asarray([0, 300, 384], jnp.int32),
-        kv_lens=jnp.asarray(kv_lens, jnp.int32),
-        num_seqs=jnp.asarray([2], jnp.int32),
+        cu_q_lens=jnp.asarray(cu),
+        kv_lens=jnp.asarray(list(kv_lens) + [0] * (PADDED_SEQS - len(kv_lens)), jnp.int32),
+        num_seqs=jnp.asarray([len(kv_lens)], jnp.int32),
     )
-    k_new = np.concatenate([k[-n:] for k, n in zip(dense_k, q_lens, strict=True)])
-    v_new = np.concatenate([v[-n:] for v, n in zip(dense_v, q_lens, strict=True)])
+    new = [np.zeros((padded - num_tokens, num_kv_heads, head_dim), np.float32)]
+    k_new = np.concatenate([k[-n:] for k, n in zip(dense_k, q_lens, strict=True)] + new)
+    v_new = np.concatenate([v[-n:] for v, n in zip(dense_v, q_lens, strict=True)] + new)
     pages = write_kv_reference(jnp.asarray(pages), jnp.asarray(k_new), jnp.asarray(v_new), metadata.slots)
+    q = np.zeros((padded, num_kv_heads * group, head_dim), np.float32)
+    q[:num_tokens] = np.concatenate(q_all)
     out = np.asarray(
         ragged_paged_attention_reference(
-            jnp.asarray(np.concatenate(q_all)),
-            pages,
-            metadata,
-            sm_scale=0.25,
-            sliding_window=sliding_window,
-            kv_read="per_sequence",
+            jnp.asarray(q), pages, metadata, sm_scale=0.25, sliding_window=sliding_window, kv_read=kv_read
         )
     )
-    start = 0
     for s, (kv_len, q_len) in enumerate(zip(kv_lens, q_lens, strict=True)):
         expected = _dense_attention(
             q_all[s], dense_k[s], dense_v[s], np.arange(kv_len - q_len, kv_len), 0.25, sliding_window=sliding_window
         )
-        np.testing.assert_allclose(out[start : start + q_len], expected, rtol=2e-5, atol=2e-5)
-        start += q_len
+        np.testing.assert_allclose(out[cu[s] : cu[s + 1]], expected, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(out[num_tokens:], 0.0)
 
 
-@pytest.mark.parametrize("kv_read", ["per_token", "per_sequence"])
+@pytest.mark.parametrize("kv_read", ["per_token", "per_sequence", "per_block"])
 def test_nan_in_unused_slots_never_reaches_live_tokens(kv_read):
     """Garbage (NaN) in the null page, in free pages and past each length stays out of every output."""
     rng = np.random.default_rng(3)
