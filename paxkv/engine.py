@@ -86,7 +86,7 @@ class Engine:
         self._seed_source = np.random.default_rng(config.seed)
         self._tracked: dict[str, _Tracked] = {}
         self._graph = static_graph(loaded.graphdef)
-        # (T bucket, S bucket, penalties?, suppress?, top logprobs?): each distinct one is one step program.
+        # (T bucket, S bucket, penalties?, suppress?, logprobs?): each distinct one is one step program.
         self.step_shapes: set[tuple[int, int, bool, bool, bool]] = set()
         self.metrics = EngineMetrics(num_total_pages=num_pages - 1, page_size=config.page_size)
         self.kv_cache_bytes = num_pages * config.page_size * bytes_per_token
@@ -272,9 +272,9 @@ class Engine:
             batch_size=num_rows,
         )
         token_counts, prompt_mask, suppress = self._vocab_arrays(batch, num_rows)
-        with_top_logprobs = any(s.request.sampling_params.logprobs for s in rows)
+        with_logprobs = any(s.request.sampling_params.logprobs is not None for s in rows)
         self.step_shapes.add(
-            (inputs.tokens.shape[0], num_rows, token_counts is not None, suppress is not None, with_top_logprobs)
+            (inputs.tokens.shape[0], num_rows, token_counts is not None, suppress is not None, with_logprobs)
         )
         sampled, self.kv_caches = engine_step(
             self._graph,
@@ -285,7 +285,7 @@ class Engine:
             token_counts,
             prompt_mask,
             suppress,
-            with_top_logprobs,
+            with_logprobs,
         )
         return sampled
 

@@ -15,11 +15,11 @@ from paxkv.step_inputs import StepInputs
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SampledTokens:
-    """One sampled token per row, with its log-probability under the model's raw (temperature 1) distribution."""
+    """One sampled token per row and, when asked for, log-probabilities under the raw (temperature 1) distribution."""
 
     tokens: jax.Array  # i32[S]
-    logprobs: jax.Array  # f32[S] log-probability of each sampled token
-    ranks: jax.Array  # i32[S] 1-based rank of each sampled token (1 = most likely)
+    logprobs: jax.Array  # f32[S] log-probability of each sampled token (0 unless asked for)
+    ranks: jax.Array  # i32[S] 1-based rank of each sampled token, 1 = most likely (0 unless asked for)
     top_ids: jax.Array  # i32[S, MAX_LOGPROBS] most likely tokens first; [S, 0] unless asked for
     top_logprobs: jax.Array  # f32[S, MAX_LOGPROBS] their log-probabilities; [S, 0] unless asked for
 
@@ -57,7 +57,7 @@ def engine_step(
     token_counts: jax.Array | None,  # i32[S, vocab] generated-token counts, only when a row has penalties
     prompt_mask: jax.Array | None,  # bool[S, vocab] prompt tokens, only when a row has a repetition penalty
     suppress: jax.Array | None,  # bool[S, vocab] tokens a row may not produce yet (min_tokens)
-    with_top_logprobs: bool = False,
+    with_logprobs: bool = False,
 ) -> tuple[SampledTokens, list[jax.Array]]:
     """Write the batch's K/V, compute each row's last-token logits, and sample.
 
@@ -69,21 +69,24 @@ def engine_step(
       inputs: the padded ragged batch.
       sampling: per-row sampling settings, seeds and positions.
       token_counts, prompt_mask, suppress: optional per-row vocabulary arrays (None compiles them away).
-      with_top_logprobs: also return the MAX_LOGPROBS most likely tokens of each row (static).
+      with_logprobs: also return each sampled token's log-probability and rank, and the MAX_LOGPROBS most
+        likely tokens of each row (static; zeros and empty arrays otherwise).
     """
     model = nnx.merge(graph.graphdef, state)
     hidden, kv_caches = model(inputs.tokens, inputs.positions, kv_caches, inputs.metadata)
     logits = model.logits(hidden[inputs.logits_indices]).astype(jnp.float32)  # f32[S, vocab]
     tokens, _ = sample(logits, sampling, token_counts, prompt_mask=prompt_mask, suppress=suppress)
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # f32[S, vocab]
-    token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)  # f32[S, 1]
-    ranks = 1 + jnp.sum(raw_logprobs > token_logprobs, axis=-1, dtype=jnp.int32)  # i32[S]
     num_rows = logits.shape[0]
-    if with_top_logprobs:
+    if with_logprobs:
+        raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # f32[S, vocab]
+        token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)  # f32[S, 1]
+        ranks = 1 + jnp.sum(raw_logprobs > token_logprobs, axis=-1, dtype=jnp.int32)  # i32[S]
+        token_logprobs = token_logprobs[:, 0]
         top_ids, top_values = top_logprobs(logits, MAX_LOGPROBS)  # i32[S, k], f32[S, k]
     else:
+        token_logprobs, ranks = jnp.zeros(num_rows, jnp.float32), jnp.zeros(num_rows, jnp.int32)
         top_ids, top_values = jnp.zeros((num_rows, 0), jnp.int32), jnp.zeros((num_rows, 0), jnp.float32)
-    sampled = SampledTokens(tokens, token_logprobs[:, 0], ranks, top_ids, top_values)
+    sampled = SampledTokens(tokens, token_logprobs, ranks, top_ids, top_values)
     return sampled, kv_caches
 
 

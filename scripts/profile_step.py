@@ -1,0 +1,206 @@
+"""Where one decode step's time goes: host scheduling, input building, device, and inside the device.
+
+    python scripts/profile_step.py --batch 32 --prompt_len 128 --steps 32 --out bench_results/profile_step
+
+Runs B requests of random prompts on the embedded SmolLM2 (f32) through the Engine, then times --steps decode
+steps phase by phase (schedule, StepInputs + SamplingArrays, the jitted step until its result is ready, the host
+bookkeeping after it). It then times the same decode batch's device work split three ways, each a separate jitted
+program over the same inputs: the whole step, the step with attention replaced by the KV write alone, and the
+lm_head alone. Writes <out>.json and <out>.md.
+"""
+
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("batch", 32, "Sequences decoding together.")
+flags.DEFINE_integer("prompt_len", 128, "Prompt tokens per sequence.")
+flags.DEFINE_integer("steps", 32, "Decode steps to time.")
+flags.DEFINE_integer("num_pages", None, "Page pool size (default: just enough for the batch).")
+flags.DEFINE_string("out", "bench_results/profile_step", "Output path prefix for .json and .md.")
+
+
+class _PhaseTimer:
+    """Wraps callables so each call's wall time is added to a named list."""
+
+    def __init__(self):
+        self.times: dict[str, list[float]] = {}
+
+    def wrap(self, name, fn, block=False):
+        import jax
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            if block:
+                jax.block_until_ready(result)
+            self.times.setdefault(name, []).append(time.perf_counter() - start)
+            return result
+
+        return timed
+
+
+def _median_ms(values) -> float:
+    return 1e3 * statistics.median(values)
+
+
+def _device_split(engine, loaded) -> dict:
+    """Median ms of the decode batch's step: whole, with attention reduced to the KV write, and the lm_head alone."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import models.layers
+    from pallas_kernels.reference import write_kv_reference
+    from paxkv.sampler import SamplingArrays
+    from paxkv.step import engine_step, static_graph
+    from paxkv.step_inputs import StepInputs
+
+    batch = engine.scheduler.schedule()
+    inputs = StepInputs.from_batch(
+        batch,
+        max_num_batched_tokens=engine.config.max_num_batched_tokens,
+        max_num_seqs=engine.config.max_num_seqs,
+        pages_per_seq=engine.pages_per_seq,
+    )
+    num_rows = inputs.logits_indices.shape[0]
+    sampling = SamplingArrays.from_params(
+        [s.request.sampling_params for s in batch.sequences],
+        positions=[s.kv_len for s in batch.sequences],
+        seeds=[0] * batch.num_seqs,
+        batch_size=num_rows,
+    )
+
+    def time_step(graph, repeats=10):
+        caches = [jnp.copy(c) for c in engine.kv_caches]
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            out, caches = engine_step(graph, loaded.state, caches, inputs, sampling, None, None, None, False)
+            jax.block_until_ready(out)
+            times.append(time.perf_counter() - start)
+        return _median_ms(times[1:])
+
+    whole = time_step(static_graph(loaded.graphdef))
+    original = models.layers.paged_attention
+
+    def write_only(q, k, v, kv_pages, metadata, **kwargs):
+        return q, write_kv_reference(kv_pages, k, v, metadata.slots)
+
+    models.layers.paged_attention = write_only
+    try:
+        # A fresh split gives a new graphdef, so the step recompiles with the stub in place.
+        graphdef, _ = nnx.split(loaded.model)
+        no_attention = time_step(static_graph(graphdef))
+    finally:
+        models.layers.paged_attention = original
+
+    hidden = jnp.ones((num_rows, loaded.config.hidden_size), jnp.float32)
+    logits = jax.jit(lambda state, h: nnx.merge(loaded.graphdef, state).logits(h))
+    jax.block_until_ready(logits(loaded.state, hidden))
+    times = []
+    for _ in range(10):
+        start = time.perf_counter()
+        jax.block_until_ready(logits(loaded.state, hidden))
+        times.append(time.perf_counter() - start)
+    return {
+        "device_step_ms": whole,
+        "device_step_without_attention_ms": no_attention,
+        "attention_ms": whole - no_attention,
+        "lm_head_ms": _median_ms(times),
+    }
+
+
+def main(argv):
+    del argv
+    import jax
+
+    import models
+    import paxkv.engine as engine_module
+    from paxkv.compilation_cache import enable_compilation_cache
+    from paxkv.config import EngineConfig
+    from paxkv.engine import Engine
+    from paxkv.sampling_params import SamplingParams
+
+    enable_compilation_cache()
+    loaded = models.load(None)
+    batch = FLAGS.batch
+    total_tokens = FLAGS.prompt_len + FLAGS.steps + 16
+    engine = Engine(
+        loaded,
+        EngineConfig(
+            num_pages=FLAGS.num_pages or batch * (-(-total_tokens // 16) + 1) + 1,
+            max_num_seqs=max(batch, 1),
+            max_num_batched_tokens=2048,
+            max_model_len=total_tokens + 16,
+        ),
+    )
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0.0, max_tokens=FLAGS.steps + 8, ignore_eos=True)
+    for index in range(batch):
+        engine.add_request(str(index), rng.integers(100, loaded.config.vocab_size, FLAGS.prompt_len).tolist(), params)
+    while any(request.num_output_tokens == 0 for request in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefill
+    for _ in range(3):
+        engine.step()  # compile and warm the decode shape
+
+    timer = _PhaseTimer()
+    engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)
+    engine_module.StepInputs.from_batch = timer.wrap("step_inputs", engine_module.StepInputs.from_batch)
+    engine_module.SamplingArrays.from_params = timer.wrap("sampling_arrays", engine_module.SamplingArrays.from_params)
+    original_step = engine_module.engine_step
+    engine_module.engine_step = timer.wrap("device", original_step, block=True)
+    totals = []
+    try:
+        for _ in range(FLAGS.steps):
+            start = time.perf_counter()
+            engine.step()
+            totals.append(time.perf_counter() - start)
+    finally:
+        engine_module.engine_step = original_step
+        del engine.scheduler.schedule
+    phases = {name: _median_ms(values) for name, values in timer.times.items()}
+    phases["step_total"] = _median_ms(totals)
+    phases["host_other"] = phases["step_total"] - sum(
+        phases[name] for name in ("schedule", "step_inputs", "sampling_arrays", "device")
+    )
+    for request in list(engine.scheduler.running):
+        engine.abort(request.request_id)
+    engine = Engine(loaded, engine.config)  # a fresh pool with one decode batch, for the device split
+    for index in range(batch):
+        prompt = rng.integers(100, loaded.config.vocab_size, FLAGS.prompt_len).tolist()
+        engine.add_request(str(index), prompt, params)
+    while any(request.num_output_tokens == 0 for request in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    split = _device_split(engine, loaded)
+    result = {
+        "batch": batch,
+        "prompt_len": FLAGS.prompt_len,
+        "backend": jax.default_backend(),
+        "cpu_count": os.cpu_count(),
+        "phases_ms": phases,
+        "device_split_ms": split,
+    }
+    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+    with open(FLAGS.out + ".json", "w") as f:
+        json.dump(result, f, indent=2)
+    lines = [
+        f"# One decode step, batch {batch}, context ~{FLAGS.prompt_len} (median ms)",
+        "",
+        "| phase | ms |",
+        "|---|---|",
+        *[f"| {name} | {value:.2f} |" for name, value in phases.items()],
+        *[f"| {name} | {value:.2f} |" for name, value in split.items()],
+    ]
+    with open(FLAGS.out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    app.run(main)
