@@ -101,7 +101,7 @@ def ragged_paged_attention_reference(
       sm_scale: multiplier applied to q.k, usually head_dim ** -0.5.
       sliding_window: if set, a token sees only the last `sliding_window` positions.
       soft_cap: if set, scores become soft_cap * tanh(scores / soft_cap).
-      kv_read: auto | per_token | per_sequence.
+      kv_read: auto (= per_block) | per_token | per_sequence | per_block.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_pages.shape[2] // 2

@@ -81,7 +81,14 @@ class Engine:
             max_model_len=self.max_model_len,
             eos_token_ids=loaded.generation_config.eos_token_ids,
         )
-        self.kv_caches = models.allocate_kv_caches(model_config, num_pages, config.page_size, kv_dtype)
+        try:
+            self.kv_caches = models.allocate_kv_caches(model_config, num_pages, config.page_size, kv_dtype)
+        except (RuntimeError, MemoryError) as e:  # XLA reports a failed allocation as a RuntimeError
+            gib = num_pages * config.page_size * bytes_per_token / 2**30
+            raise ValueError(
+                f"cannot allocate the KV page pool ({num_pages} pages, {gib:.2f} GiB): {str(e)[:200]}; "
+                "lower kv_cache_memory_bytes or num_pages"
+            ) from None
         self.pages_per_seq = -(-self.max_model_len // config.page_size)
         self._seed_source = np.random.default_rng(config.seed)
         self._tracked: dict[str, _Tracked] = {}
@@ -142,6 +149,11 @@ class Engine:
                 f"request {request_id!r} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}; "
                 "tokenize with this model's tokenizer"
             )
+        bad_stops = [t for t in sampling_params.stop_token_ids if t >= vocab_size]
+        if bad_stops:
+            raise ValueError(
+                f"request {request_id!r} has stop_token_ids outside the vocabulary [0, {vocab_size}): {bad_stops[:5]}"
+            )
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use; give each request a unique id")
         request = Request(request_id, prompt_token_ids, sampling_params)
@@ -193,6 +205,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        pages_in_step = self.allocator.num_used_pages  # before finished requests free theirs
         for sequence in batch.sequences:
             metrics = self._tracked[sequence.request.request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or start
@@ -226,11 +239,11 @@ class Engine:
         self.metrics.num_generated_tokens += len(sampled)
         self.metrics.num_preemptions = self.scheduler.num_preemptions
         self.metrics.num_compilations = num_step_compilations()
-        self._refresh_pool_gauges(start=start, num_tokens=batch.num_batched_tokens)
+        self._refresh_pool_gauges(start=start, num_tokens=batch.num_batched_tokens, peak=pages_in_step)
         return outputs
 
-    def _refresh_pool_gauges(self, *, start: float | None = None, num_tokens: int = 0) -> None:
-        """Update the pool gauges; with `start`, also account a step that began then."""
+    def _refresh_pool_gauges(self, *, start: float | None = None, num_tokens: int = 0, peak: int = 0) -> None:
+        """Update the pool gauges; with `start`, also account a step that began then and held `peak` pages."""
         used = self.allocator.num_used_pages
         if start is None:
             self.metrics.kv_pages_used = used
@@ -238,7 +251,7 @@ class Engine:
         running = self.scheduler.running
         allocated = sum(len(request.block_table) for request in running) * self.config.page_size
         filled = sum(request.num_computed_tokens for request in running)
-        self.metrics.record_step(start, num_tokens, used, allocated, filled)
+        self.metrics.record_step(start, num_tokens, used, allocated, filled, peak_kv_pages=peak)
 
     def _append_logprobs(self, tracked: _Tracked, sampled: SampledTokens, row: int) -> None:
         """Record the sampled token's log-probability and the requested top-k at this position."""
@@ -314,17 +327,15 @@ class Engine:
 
     def _append_text(self, tracked: _Tracked, token_id: int) -> None:
         """Stream the token's text and end the request at the first stop string (which is cut off)."""
-        if tracked.detokenizer is None:
-            return
         request = tracked.request
         params = request.sampling_params
         is_stop_token = request.finish_reason == "stop" and (
             token_id in params.stop_token_ids or token_id in self.loaded.generation_config.eos_token_ids
         )
-        if is_stop_token:
-            if token_id in params.stop_token_ids:
-                tracked.stop_reason = token_id
-            return  # the token that stopped generation is not part of the text
+        if is_stop_token and token_id in params.stop_token_ids:
+            tracked.stop_reason = token_id
+        if tracked.detokenizer is None or is_stop_token:
+            return  # no text without a tokenizer; the token that stopped generation is not part of the text
         tracked.text += tracked.detokenizer.step(token_id)
         if request.is_finished:
             tracked.text += tracked.detokenizer.flush()

@@ -50,17 +50,17 @@ class EngineMetrics:
 
     @property
     def generated_tokens_per_s(self) -> float:
-        """Generated tokens per second of wall time between the first and last step."""
-        elapsed = self.elapsed_seconds
-        return self.num_generated_tokens / elapsed if elapsed > 0 else 0.0
+        """Generated tokens per second of busy time (inside steps that had work; idle gaps do not count)."""
+        return self.num_generated_tokens / self.busy_seconds if self.busy_seconds > 0 else 0.0
 
     @property
     def computed_tokens_per_s(self) -> float:
-        """Prompt and generated tokens through the model per second, recomputation included."""
-        elapsed = self.elapsed_seconds
-        return self.num_computed_tokens / elapsed if elapsed > 0 else 0.0
+        """Prompt and generated tokens through the model per second of busy time, recomputation included."""
+        return self.num_computed_tokens / self.busy_seconds if self.busy_seconds > 0 else 0.0
 
-    def record_step(self, start: float, num_tokens: int, kv_pages_used: int, allocated: int, filled: int) -> None:
+    def record_step(
+        self, start: float, num_tokens: int, kv_pages_used: int, allocated: int, filled: int, peak_kv_pages: int = 0
+    ) -> None:
         """Account one step that began at `start` (time.monotonic) and has just ended.
 
         Args:
@@ -69,6 +69,7 @@ class EngineMetrics:
           kv_pages_used: pages held after the step.
           allocated: token slots in the running requests' pages after the step.
           filled: of those, slots holding a computed token.
+          peak_kv_pages: pages held during the step, before finished requests freed theirs.
         """
         end = time.monotonic()
         self.num_steps += 1
@@ -78,7 +79,7 @@ class EngineMetrics:
             self.first_step_time = start
         self.last_step_time = end
         self.kv_pages_used = kv_pages_used
-        self.peak_kv_pages_used = max(self.peak_kv_pages_used, kv_pages_used)
+        self.peak_kv_pages_used = max(self.peak_kv_pages_used, kv_pages_used, peak_kv_pages)
         self.allocated_slot_steps += allocated
         self.unfilled_slot_steps += allocated - filled
 

@@ -62,7 +62,10 @@ def parse_memory_size(text: str) -> int:
     unit = match and match.group(2).lower()
     if not match or unit not in _SIZE_UNITS:
         raise ValueError(f"cannot read {text!r} as a memory size; write e.g. 512MiB, 2GiB or a byte count")
-    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    try:
+        size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    except OverflowError:
+        raise ValueError(f"memory size {text!r} is too large") from None
     if size < 1:
         raise ValueError(f"memory size {text!r} is not positive")
     return size
@@ -82,12 +85,12 @@ def _collect_lines(defaults: dict):
     from paxkv.prompts_file import BadLine, PromptLine, parse_lines
     from paxkv.sampling_params import SamplingParams
 
+    try:
+        params = SamplingParams.from_dict(defaults)  # the flags alone must make valid params
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
     lines: list = []
     for index, prompt in enumerate(FLAGS.prompt or []):
-        try:
-            params = SamplingParams.from_dict(defaults)
-        except ValueError as e:
-            raise app.UsageError(str(e)) from None
         messages = [{"role": "user", "content": prompt}] if FLAGS.chat else None
         lines.append(PromptLine(None, f"prompt-{index}", None if FLAGS.chat else prompt, messages, params))
     if FLAGS.prompts_file:
@@ -213,8 +216,6 @@ def main(argv):
                 f,
                 indent=2,
             )
-    if num_failed and not FLAGS.skip_bad_lines:
-        sys.exit(1)
 
 
 def run():

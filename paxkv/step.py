@@ -20,8 +20,8 @@ class SampledTokens:
     tokens: jax.Array  # i32[S]
     logprobs: jax.Array  # f32[S] log-probability of each sampled token (0 unless asked for)
     ranks: jax.Array  # i32[S] 1-based rank of each sampled token, 1 = most likely (0 unless asked for)
-    top_ids: jax.Array  # i32[S, MAX_LOGPROBS] most likely tokens first; [S, 0] unless asked for
-    top_logprobs: jax.Array  # f32[S, MAX_LOGPROBS] their log-probabilities; [S, 0] unless asked for
+    top_ids: jax.Array  # i32[S, k] most likely tokens first, k = min(MAX_LOGPROBS, vocab); [S, 0] unless asked for
+    top_logprobs: jax.Array  # f32[S, k] their log-probabilities; [S, 0] unless asked for
 
 
 class StaticGraph:
@@ -82,7 +82,7 @@ def engine_step(
         token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)  # f32[S, 1]
         ranks = 1 + jnp.sum(raw_logprobs > token_logprobs, axis=-1, dtype=jnp.int32)  # i32[S]
         token_logprobs = token_logprobs[:, 0]
-        top_ids, top_values = top_logprobs(logits, MAX_LOGPROBS)  # i32[S, k], f32[S, k]
+        top_ids, top_values = top_logprobs(logits, min(MAX_LOGPROBS, logits.shape[-1]))  # i32[S, k], f32[S, k]
     else:
         token_logprobs, ranks = jnp.zeros(num_rows, jnp.float32), jnp.zeros(num_rows, jnp.int32)
         top_ids, top_values = jnp.zeros((num_rows, 0), jnp.int32), jnp.zeros((num_rows, 0), jnp.float32)

@@ -150,6 +150,8 @@ def main(argv):
         engine.step()  # compile and warm the decode shape
 
     timer = _PhaseTimer()
+    original_from_batch = engine_module.StepInputs.__dict__["from_batch"]
+    original_from_params = engine_module.SamplingArrays.__dict__["from_params"]
     engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)
     engine_module.StepInputs.from_batch = timer.wrap("step_inputs", engine_module.StepInputs.from_batch)
     engine_module.SamplingArrays.from_params = timer.wrap("sampling_arrays", engine_module.SamplingArrays.from_params)
@@ -163,6 +165,8 @@ def main(argv):
             totals.append(time.perf_counter() - start)
     finally:
         engine_module.engine_step = original_step
+        engine_module.StepInputs.from_batch = original_from_batch
+        engine_module.SamplingArrays.from_params = original_from_params
         del engine.scheduler.schedule
     phases = {name: _median_ms(values) for name, values in timer.times.items()}
     phases["step_total"] = _median_ms(totals)

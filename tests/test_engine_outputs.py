@@ -144,6 +144,33 @@ def test_malformed_requests_name_the_problem(tiny):
         engine.add_request("d", [1, 2], {"temperature": 0})
     with pytest.raises(ValueError, match="list of ints"):
         engine.add_request("s", ["a", "b"])
+    with pytest.raises(ValueError, match="stop_token_ids outside the vocabulary"):
+        engine.add_request("t", [1, 2], SamplingParams(stop_token_ids=[5, 10_000], min_tokens=2))
     with pytest.raises(ValueError, match="logprobs must be None or in \\[0, 20\\]"):
         SamplingParams(logprobs=21)
     assert not engine.has_unfinished_requests() and engine.metrics.num_requests == 0
+
+
+def test_peak_pages_count_requests_that_finish_in_their_first_step(tiny):
+    _, loaded = tiny
+    engine = Engine(loaded, EngineConfig(num_pages=32, page_size=16, max_num_seqs=4, max_num_batched_tokens=64))
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    engine.add_request("a", list(range(1, 21)), params)  # 2 pages
+    engine.add_request("b", list(range(1, 4)), params)  # 1 page
+    _drain(engine)
+    assert engine.metrics.num_steps == 1 and engine.metrics.peak_kv_pages_used == 3
+    assert engine.metrics.kv_pages_used == 0
+
+
+def test_stop_token_sets_stop_reason_without_a_tokenizer(tiny):
+    _, loaded = tiny
+    assert loaded.tokenizer is None
+    engine = Engine(loaded, EngineConfig(num_pages=32, max_num_seqs=4))
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.add_request("free", [3, 1, 4, 1, 5], greedy)
+    first_token = _drain(engine)["free"].outputs[0].token_ids[0]
+    stopping = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, stop_token_ids=[first_token])
+    engine.add_request("stopped", [3, 1, 4, 1, 5], stopping)
+    completion = _drain(engine)["stopped"].outputs[0]
+    assert completion.token_ids == [first_token]
+    assert completion.finish_reason == "stop" and completion.stop_reason == first_token

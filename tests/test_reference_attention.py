@@ -238,8 +238,10 @@ def test_gqa_rejects_mismatched_heads():
 _MULTI_BLOCK_LAYOUTS = {
     # A long prefill over history and a fresh one: 384 new tokens, 3 query blocks.
     "two_prefills": ([340, 84], [300, 84]),
-    # Blocks holding 2 and 3 rows: the per_block path loops over the rows present.
+    # Blocks holding 2 rows each: the per_block path loops over the rows present.
     "three_prefills": ([100, 160, 90], [100, 60, 90]),
+    # A first block holding 4 rows (the most it loops over), then one.
+    "four_rows": ([40, 70, 48, 100], [40, 30, 48, 90]),
     # A long prefill, then decodes and short chunks: the second block spans 6 rows and reads per token.
     "mixed": ([160, 33, 16, 40, 1, 130], [150, 1, 1, 40, 1, 30]),
 }
@@ -264,7 +266,7 @@ def test_batches_over_several_query_blocks(layout, sliding_window, kv_read):
         kv_dtype=jnp.float32,
     )
     num_tokens = sum(q_lens)
-    padded = -(-num_tokens // 128) * 128
+    padded = -(-num_tokens // 128) * 128 + 128  # always one query block of padding only
     cu = np.full(PADDED_SEQS + 1, num_tokens, np.int32)
     cu[: len(q_lens) + 1] = np.concatenate([[0], np.cumsum(q_lens)])
     token_slots = np.zeros(padded, np.int32)
