@@ -35,6 +35,27 @@ def encode_chat(tokenizer, messages) -> tuple[str, list[int]]:
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
+def drain(engine: Engine, num_requests: int, *, progress: bool = False, on_output=None) -> dict:
+    """Step the engine until no request is left; return the finished RequestOutputs by request id.
+
+    Args:
+      engine: the engine to drive.
+      num_requests: how many requests will finish (the progress bar's total).
+      progress: show a tqdm bar of finished requests on stderr.
+      on_output: called with every RequestOutput a step returns, finished or not.
+    """
+    finished = {}
+    with tqdm(total=num_requests, disable=not progress, desc="requests", unit="req") as bar:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if on_output is not None:
+                    on_output(output)
+                if output.finished:
+                    finished[output.request_id] = output
+                    bar.update(1)
+    return finished
+
+
 class BadRequestsError(ValueError):
     """Some lines could not be admitted; nothing ran."""
 
@@ -92,24 +113,21 @@ def run_lines(
         raise BadRequestsError(errors)
     start = time.perf_counter()
     stream_id = next(iter(admitted), None) if stream_to is not None else None
-    num_streamed = 0
-    if stream_id is not None:
-        # Text that could still become the start of a stop string (which is cut off) waits until it cannot.
-        stops = lines[admitted[stream_id]].sampling_params.stop
-        holdback = max((len(stop) for stop in stops), default=1) - 1
-    with tqdm(total=len(admitted), disable=not progress, desc="requests", unit="req") as bar:
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.request_id == stream_id:
-                    text = output.outputs[0].text
-                    ready = len(text) if output.finished else max(num_streamed, len(text) - holdback)
-                    stream_to.write(text[num_streamed:ready])
-                    stream_to.flush()
-                    num_streamed = ready
-                if output.finished:
-                    index = admitted[output.request_id]
-                    records[index] = result_record(lines[index].line_number, output.request_id, output)
-                    bar.update(1)
-    if stream_id is not None:
-        stream_to.write("\n")
+    streamed = {"chars": 0}
+    # Text that could still become the start of a stop string (which is cut off) waits until it cannot.
+    stops = lines[admitted[stream_id]].sampling_params.stop if stream_id is not None else ()
+    holdback = max((len(stop) for stop in stops), default=1) - 1
+
+    def stream(output) -> None:
+        if output.request_id != stream_id:
+            return
+        text = output.outputs[0].text
+        ready = len(text) if output.finished else max(streamed["chars"], len(text) - holdback)
+        stream_to.write(text[streamed["chars"] : ready] + ("\n" if output.finished else ""))
+        stream_to.flush()
+        streamed["chars"] = ready
+
+    for request_id, output in drain(engine, len(admitted), progress=progress, on_output=stream).items():
+        index = admitted[request_id]
+        records[index] = result_record(lines[index].line_number, request_id, output)
     return [records[index] for index in range(len(lines))], time.perf_counter() - start

@@ -2,10 +2,8 @@
 
 import itertools
 
-from tqdm import tqdm
-
 import models
-from paxkv.batch_runner import encode_chat, encode_prompt
+from paxkv.batch_runner import drain, encode_chat, encode_prompt
 from paxkv.config import EngineConfig
 from paxkv.engine import Engine
 from paxkv.outputs import RequestOutput
@@ -102,11 +100,5 @@ class LLM:
             for request_id in added:  # a bad prompt fails the call before anything ran
                 self.engine.abort(request_id)
             raise
-        finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), disable=not use_tqdm, desc="generate", unit="req") as progress:
-            while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        progress.update(1)
+        finished = drain(self.engine, len(ids), progress=use_tqdm)
         return [finished[request_id] for request_id in ids]
