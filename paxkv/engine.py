@@ -97,6 +97,7 @@ class Engine:
         self.step_shapes: set[tuple[int, int, bool, bool, bool]] = set()
         self.metrics = EngineMetrics(num_total_pages=num_pages - 1, page_size=config.page_size)
         self.kv_cache_bytes = num_pages * config.page_size * bytes_per_token
+        self.kv_bytes_per_token = bytes_per_token
         logger.info(
             "page pool: %d pages of %d tokens (page 0 reserved) = %d tokens of KV, %s, %d bytes per token, %.1f MiB",
             num_pages,

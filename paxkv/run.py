@@ -178,10 +178,11 @@ def main(argv):
         engine = Engine(loaded, engine_config)
     except (CheckpointError, ValueError) as e:
         sys.exit(f"paxkv: {e}")
+    num_pages, page_size = engine.allocator.num_total_pages, engine_config.page_size
     print(
         f"# model {loaded.source} ({loaded.config.model_type}, {loaded.config.num_layers} layers), loaded in "
-        f"{loaded.load_seconds:.1f} s; KV pool {engine.allocator.num_total_pages} pages of {engine_config.page_size} "
-        f"tokens ({engine.kv_cache_bytes / 2**20:.0f} MiB)",
+        f"{loaded.load_seconds:.1f} s\n# KV pool: {num_pages} pages of {page_size} tokens = {num_pages * page_size} "
+        f"tokens, {engine.kv_bytes_per_token} bytes per token, {engine.kv_cache_bytes / 2**20:.0f} MiB",
         file=sys.stderr,
     )
     stream = FLAGS.output is None and len(lines) == 1
