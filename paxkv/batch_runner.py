@@ -109,7 +109,7 @@ def run_lines(
             errors.append(message)
     if errors and not skip_bad_lines:
         for request_id in admitted:
-            engine.abort(request_id)
+            engine.withdraw(request_id)
         raise BadRequestsError(errors)
     start = time.perf_counter()
     stream_id = next(iter(admitted), None) if stream_to is not None else None

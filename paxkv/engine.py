@@ -180,6 +180,19 @@ class Engine:
         self._refresh_pool_gauges()
         return self._output(tracked)
 
+    def withdraw(self, request_id: str) -> None:
+        """Undo add_request for a request that has not been scheduled yet, leaving no trace in the metrics.
+
+        Args:
+          request_id: the id given to add_request.
+        """
+        tracked = self._tracked.get(request_id)
+        if tracked is None or tracked.metrics.first_scheduled_time is not None:
+            raise ValueError(f"request {request_id!r} cannot be withdrawn: it is unknown or has already run")
+        self.scheduler.abort(request_id)
+        del self._tracked[request_id]
+        self.metrics.num_requests -= 1
+
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""
         return self.scheduler.has_unfinished_requests()

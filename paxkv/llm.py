@@ -98,7 +98,7 @@ class LLM:
                 added.append(request_id)
         except ValueError:
             for request_id in added:  # a bad prompt fails the call before anything ran
-                self.engine.abort(request_id)
+                self.engine.withdraw(request_id)
             raise
         finished = drain(self.engine, len(ids), progress=use_tqdm)
         return [finished[request_id] for request_id in ids]

@@ -80,7 +80,8 @@ def engine_step(
     if with_logprobs:
         raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # f32[S, vocab]
         token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)  # f32[S, 1]
-        ranks = 1 + jnp.sum(raw_logprobs > token_logprobs, axis=-1, dtype=jnp.int32)  # i32[S]
+        # As vLLM: the number of tokens at least as likely (1 for a unique most likely token; ties count).
+        ranks = jnp.sum(raw_logprobs >= token_logprobs, axis=-1, dtype=jnp.int32)  # i32[S]
         token_logprobs = token_logprobs[:, 0]
         top_ids, top_values = top_logprobs(logits, min(MAX_LOGPROBS, logits.shape[-1]))  # i32[S, k], f32[S, k]
     else:

@@ -48,12 +48,17 @@ def test_per_prompt_params_and_stop_strings(llm):
 
 
 def test_bad_prompt_fails_the_call_and_leaves_the_engine_clean(llm):
+    requests_before = llm.engine.metrics.num_requests
+    aborted_before = llm.engine.metrics.num_aborted_requests
     with pytest.raises(ValueError, match="empty prompt"):
         llm.generate(["fine", []], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
         llm.generate(["x"], [GREEDY, GREEDY], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.allocator.num_used_pages == 0
+    # "fine" was admitted, then withdrawn with the call: it leaves no trace in the metrics.
+    assert llm.engine.metrics.num_requests == requests_before
+    assert llm.engine.metrics.num_aborted_requests == aborted_before
 
 
 def test_min_tokens_holds_back_the_end_of_turn(llm):
