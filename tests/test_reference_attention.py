@@ -234,6 +234,20 @@ def test_gqa_rejects_mismatched_heads():
         ragged_paged_attention_reference(jnp.zeros((1, 3, 4)), jnp.zeros((2, 4, 4, 4)), metadata, sm_scale=1.0)
 
 
+def _padded_metadata(token_slots, block_tables, q_lens, kv_lens) -> AttentionMetadata:
+    """Metadata of live rows with these q/kv lengths, padded to PADDED_SEQS rows of no tokens."""
+    num_tokens = sum(q_lens)
+    cu = np.full(PADDED_SEQS + 1, num_tokens, np.int32)
+    cu[: len(q_lens) + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    return AttentionMetadata(
+        slots=jnp.asarray(token_slots, jnp.int32),
+        block_tables=jnp.asarray(block_tables),
+        cu_q_lens=jnp.asarray(cu),
+        kv_lens=jnp.asarray(list(kv_lens) + [0] * (PADDED_SEQS - len(kv_lens)), jnp.int32),
+        num_seqs=jnp.asarray([len(kv_lens)], jnp.int32),
+    )
+
+
 # (kv_lens, q_lens) of batches over several query blocks of 128 tokens.
 _MULTI_BLOCK_LAYOUTS = {
     # A long prefill over history and a fresh one: 384 new tokens, 3 query blocks.
@@ -267,17 +281,10 @@ def test_batches_over_several_query_blocks(layout, sliding_window, kv_read):
     )
     num_tokens = sum(q_lens)
     padded = -(-num_tokens // 128) * 128 + 128  # always one query block of padding only
-    cu = np.full(PADDED_SEQS + 1, num_tokens, np.int32)
-    cu[: len(q_lens) + 1] = np.concatenate([[0], np.cumsum(q_lens)])
     token_slots = np.zeros(padded, np.int32)
     token_slots[:num_tokens] = np.concatenate(slots)
-    metadata = AttentionMetadata(
-        slots=jnp.asarray(token_slots),
-        block_tables=jnp.asarray(block_tables),
-        cu_q_lens=jnp.asarray(cu),
-        kv_lens=jnp.asarray(list(kv_lens) + [0] * (PADDED_SEQS - len(kv_lens)), jnp.int32),
-        num_seqs=jnp.asarray([len(kv_lens)], jnp.int32),
-    )
+    metadata = _padded_metadata(token_slots, block_tables, q_lens, kv_lens)
+    cu = np.asarray(metadata.cu_q_lens)
     new = [np.zeros((padded - num_tokens, num_kv_heads, head_dim), np.float32)]
     k_new = np.concatenate([k[-n:] for k, n in zip(dense_k, q_lens, strict=True)] + new)
     v_new = np.concatenate([v[-n:] for v, n in zip(dense_v, q_lens, strict=True)] + new)
@@ -324,15 +331,9 @@ def test_nan_in_unused_slots_never_reaches_live_tokens(kv_read):
     padded = 32
     q = np.zeros((padded, num_kv_heads * group, head_dim), np.float32)
     q[:num_tokens] = np.concatenate(q_all)
-    cu = np.full(PADDED_SEQS + 1, num_tokens, np.int32)
-    cu[: len(q_lens) + 1] = np.concatenate([[0], np.cumsum(q_lens)])
-    metadata = AttentionMetadata(
-        slots=jnp.zeros(padded, jnp.int32),  # unused: nothing is written here
-        block_tables=jnp.asarray(block_tables),  # padded entries point at the NaN null page
-        cu_q_lens=jnp.asarray(cu),
-        kv_lens=jnp.asarray(kv_lens + [0] * (PADDED_SEQS - len(kv_lens)), jnp.int32),
-        num_seqs=jnp.asarray([len(kv_lens)], jnp.int32),
-    )
+    # Slots are unused (nothing is written); padded block-table entries point at the NaN null page.
+    metadata = _padded_metadata(np.zeros(padded), block_tables, q_lens, kv_lens)
+    cu = np.asarray(metadata.cu_q_lens)
     out = np.asarray(
         ragged_paged_attention_reference(jnp.asarray(q), jnp.asarray(pages), metadata, sm_scale=0.25, kv_read=kv_read)
     )
