@@ -282,8 +282,13 @@ class Engine:
         tracked.logprobs.append(entry)
         tracked.cumulative_logprob += token_logprob
 
-    def _run(self, batch: ScheduledBatch) -> SampledTokens:
-        """Build the padded inputs, run the jitted step, and fetch the sampled tokens."""
+    def step_arguments(self, batch: ScheduledBatch) -> tuple:
+        """engine_step's arguments after the graph, state and pool, for `batch`: the padded inputs, the sampling
+        arrays, the optional vocabulary arrays and the logprobs flag.
+
+        Args:
+          batch: a batch the scheduler returned.
+        """
         inputs = StepInputs.from_batch(
             batch,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
@@ -300,20 +305,17 @@ class Engine:
         )
         token_counts, prompt_mask, suppress = self._vocab_arrays(batch, num_rows)
         with_logprobs = any(s.request.sampling_params.logprobs is not None for s in rows)
+        return inputs, sampling, token_counts, prompt_mask, suppress, with_logprobs
+
+    def _run(self, batch: ScheduledBatch) -> SampledTokens:
+        """Run the jitted step on `batch` (the pool is donated and replaced) and return its sampled tokens."""
+        arguments = self.step_arguments(batch)
+        inputs, sampling, token_counts, _, suppress, with_logprobs = arguments
+        num_rows = sampling.batch_size
         self.step_shapes.add(
             (inputs.tokens.shape[0], num_rows, token_counts is not None, suppress is not None, with_logprobs)
         )
-        sampled, self.kv_caches = engine_step(
-            self._graph,
-            self.loaded.state,
-            self.kv_caches,
-            inputs,
-            sampling,
-            token_counts,
-            prompt_mask,
-            suppress,
-            with_logprobs,
-        )
+        sampled, self.kv_caches = engine_step(self._graph, self.loaded.state, self.kv_caches, *arguments)
         return sampled
 
     def _vocab_arrays(self, batch: ScheduledBatch, num_rows: int):

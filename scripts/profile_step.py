@@ -57,31 +57,18 @@ def _device_split(engine, loaded) -> dict:
 
     import models.layers
     from pallas_kernels.reference import write_kv_reference
-    from paxkv.sampler import SamplingArrays
     from paxkv.step import engine_step, static_graph
-    from paxkv.step_inputs import StepInputs
 
-    batch = engine.scheduler.schedule()
-    inputs = StepInputs.from_batch(
-        batch,
-        max_num_batched_tokens=engine.config.max_num_batched_tokens,
-        max_num_seqs=engine.config.max_num_seqs,
-        pages_per_seq=engine.pages_per_seq,
-    )
-    num_rows = inputs.logits_indices.shape[0]
-    sampling = SamplingArrays.from_params(
-        [s.request.sampling_params for s in batch.sequences],
-        positions=[s.kv_len for s in batch.sequences],
-        seeds=[0] * batch.num_seqs,
-        batch_size=num_rows,
-    )
+    # The batch is only read here (never run through Engine.step), so the scheduler needs no update.
+    arguments = engine.step_arguments(engine.scheduler.schedule())
+    num_rows = arguments[1].batch_size
 
     def time_step(graph, repeats=10):
         caches = [jnp.copy(c) for c in engine.kv_caches]
         times = []
         for _ in range(repeats + 1):
             start = time.perf_counter()
-            out, caches = engine_step(graph, loaded.state, caches, inputs, sampling, None, None, None, False)
+            out, caches = engine_step(graph, loaded.state, caches, *arguments)
             jax.block_until_ready(out)
             times.append(time.perf_counter() - start)
         return _median_ms(times[1:])
