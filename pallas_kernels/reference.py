@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.quantization import QuantizedKVPages, dequantize_pages, quantize_per_row
 
 # Letters in einsum strings:
 #   T new tokens, K kv heads, G query heads per kv head, D head_dim, P tokens in one page.
@@ -15,15 +16,17 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def write_kv_reference(
-    kv_pages: jax.Array,  # [num_pages, page_size, 2 * K, D]
+    kv_pages: jax.Array | QuantizedKVPages,  # [num_pages, page_size, 2 * K, D]
     k: jax.Array,  # [T, K, D]
     v: jax.Array,  # [T, K, D]
     slots: jax.Array,  # i32[T]
-) -> jax.Array:
+) -> jax.Array | QuantizedKVPages:
     """Scatter new K/V into their slots; K sits at even head slots and V at odd ones.
 
+    FP8 pools (QuantizedKVPages) are quantized on the way in, one scale per token and KV head.
+
     Args:
-      kv_pages: one layer's page pool.
+      kv_pages: one layer's page pool, plain or FP8 with scales.
       k, v: the new tokens' keys and values.
       slots: page * page_size + offset for each token; padding points into the null page 0.
     """
@@ -31,9 +34,20 @@ def write_kv_reference(
     num_tokens, num_kv_heads, _ = k.shape
     # [T, 2K, D] interleaved as k0, v0, k1, v1, ...
     kv = jnp.stack([k, v], axis=2).reshape(num_tokens, two_k, head_dim)
-    flat = kv_pages.reshape(num_pages * page_size, two_k, head_dim)
-    flat = flat.at[slots].set(kv.astype(kv_pages.dtype))
-    return flat.reshape(kv_pages.shape)
+    if isinstance(kv_pages, QuantizedKVPages):
+        quantized, scales = quantize_per_row(kv, kv_pages.dtype)  # [T, 2K, D], f32[T, 2K]
+        pages = _scatter_tokens(kv_pages.pages, quantized, slots)
+        # Scales are [num_pages, 2K, page_size]: token t of page p is column t.
+        new_scales = kv_pages.scales.at[slots // page_size, :, slots % page_size].set(scales)
+        return QuantizedKVPages(pages=pages, scales=new_scales)
+    return _scatter_tokens(kv_pages, kv.astype(kv_pages.dtype), slots)
+
+
+def _scatter_tokens(pages: jax.Array, kv: jax.Array, slots: jax.Array) -> jax.Array:
+    """pages [num_pages, P, 2K, D] with kv [T, 2K, D] written at flat token slots."""
+    num_pages, page_size, two_k, head_dim = pages.shape
+    flat = pages.reshape(num_pages * page_size, two_k, head_dim)
+    return flat.at[slots].set(kv).reshape(pages.shape)
 
 
 def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
@@ -75,7 +89,7 @@ def _online_softmax_step(carry, scores, visible, weighted_values, soft_cap):
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "kv_read"))
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, num_q_heads, D]
-    kv_pages: jax.Array,  # [num_pages, page_size, 2 * K, D]
+    kv_pages: jax.Array | QuantizedKVPages,  # [num_pages, page_size, 2 * K, D]
     metadata: AttentionMetadata,
     *,
     sm_scale: float,
@@ -96,13 +110,16 @@ def ragged_paged_attention_reference(
 
     Args:
       q: queries of the new tokens, already rotated.
-      kv_pages: one layer's page pool, K and V interleaved on the head axis.
+      kv_pages: one layer's page pool, K and V interleaved on the head axis; FP8 pools
+        (QuantizedKVPages) are dequantized whole first, which suits a reference, not a fast path.
       metadata: the ragged batch layout (see AttentionMetadata).
       sm_scale: multiplier applied to q.k, usually head_dim ** -0.5.
       sliding_window: if set, a token sees only the last `sliding_window` positions.
       soft_cap: if set, scores become soft_cap * tanh(scores / soft_cap).
       kv_read: auto (= per_block) | per_token | per_sequence | per_block.
     """
+    if isinstance(kv_pages, QuantizedKVPages):
+        kv_pages = dequantize_pages(kv_pages)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_pages.shape[2] // 2
     if num_q_heads % num_kv_heads:

@@ -1,0 +1,123 @@
+"""Random ragged paged-attention inputs shared by the kernel tests and the kernel benchmark's checks."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import AttentionMetadata
+from pallas_kernels.quantization import QuantizedKVPages, quantize_per_row
+
+# Per-dtype tolerance on ||out - ref|| / ||ref||, as the kernel issue states them.
+RELATIVE_TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float8_e4m3fn": 1e-2, "float8_e5m2": 1e-2}
+
+# (kv_lens, q_lens) for the batch kinds; page-boundary lengths are filled in per page size.
+BATCH_KINDS = ("decode", "prefill", "mixed")
+
+
+@dataclasses.dataclass
+class AttentionCase:
+    """One call's inputs: queries, the pool (plain or FP8 with scales) and the ragged layout."""
+
+    q: jnp.ndarray  # [T, N, D]
+    kv_pages: jnp.ndarray | QuantizedKVPages
+    metadata: AttentionMetadata
+    num_live_tokens: int
+    sm_scale: float
+
+
+def batch_lengths(kind: str, page_size: int) -> tuple[list[int], list[int]]:
+    """kv and q lengths for a batch kind, covering kv length 1, exactly a page boundary, and one past it."""
+    if kind == "decode":
+        kv_lens = [1, page_size, page_size + 1, 3 * page_size, 2 * page_size + 5, 7]
+        return kv_lens, [1] * len(kv_lens)
+    if kind == "prefill":
+        # Fresh prompts and a chunk over history.
+        return [page_size, 2 * page_size + 1, 1, 3 * page_size + 3], [page_size, 2 * page_size + 1, 1, page_size + 2]
+    # Mixed: decodes around prefill chunks.
+    kv_lens = [page_size + 1, 2 * page_size, 1, 3 * page_size + 7, page_size]
+    q_lens = [1, 2 * page_size, 1, 9, 1]
+    return kv_lens, q_lens
+
+
+def make_case(
+    seed: int,
+    *,
+    kv_lens: list[int],
+    q_lens: list[int],
+    page_size: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    kv_dtype: str,
+    padded_tokens: int | None = None,
+    padded_rows: int | None = None,
+    extra_pages_per_seq: int = 1,
+    q_dtype=jnp.float32,
+) -> AttentionCase:
+    """Random history in randomly permuted (non-contiguous) pages, with NaN in every unused slot.
+
+    Args:
+      kv_lens, q_lens: per live sequence; its new tokens are the last q_len of kv_len.
+      padded_tokens, padded_rows: pad T and S past the live ones (padded rows have no tokens).
+      extra_pages_per_seq: block-table columns beyond the longest sequence (padded with page 0).
+    """
+    rng = np.random.default_rng(seed)
+    num_seqs = len(kv_lens)
+    num_tokens = sum(q_lens)
+    padded_tokens = padded_tokens or num_tokens
+    padded_rows = padded_rows or num_seqs
+    pages_per_seq = max(-(-n // page_size) for n in kv_lens) + extra_pages_per_seq
+    num_pages = 1 + num_seqs * pages_per_seq + 3
+    shape = (num_pages, page_size, 2 * num_kv_heads, head_dim)
+    values = rng.standard_normal(shape).astype(np.float32)
+    # Unused slots hold NaN: a kernel that lets them reach a live token's output fails loudly.
+    used = np.zeros(shape[:2], bool)
+    block_tables = np.zeros((padded_rows, pages_per_seq), np.int32)
+    permutation = rng.permutation(np.arange(1, num_pages))
+    for s, kv_len in enumerate(kv_lens):
+        pages = permutation[s * pages_per_seq : s * pages_per_seq + -(-kv_len // page_size)]
+        block_tables[s, : len(pages)] = pages
+        for position in range(kv_len):
+            used[pages[position // page_size], position % page_size] = True
+    values[~used] = np.nan
+    cu_q_lens = np.full(padded_rows + 1, num_tokens, np.int32)
+    cu_q_lens[: num_seqs + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    slots = np.zeros(padded_tokens, np.int32)  # padded tokens point into the null page
+    token = 0
+    for s, (kv_len, q_len) in enumerate(zip(kv_lens, q_lens, strict=True)):
+        for position in range(kv_len - q_len, kv_len):
+            slots[token] = block_tables[s, position // page_size] * page_size + position % page_size
+            token += 1
+    metadata = AttentionMetadata(
+        slots=jnp.asarray(slots),
+        block_tables=jnp.asarray(block_tables),
+        cu_q_lens=jnp.asarray(cu_q_lens),
+        kv_lens=jnp.asarray(list(kv_lens) + [0] * (padded_rows - num_seqs), jnp.int32),
+        num_seqs=jnp.asarray([num_seqs], jnp.int32),
+    )
+    q = rng.standard_normal((padded_tokens, num_kv_heads * group, head_dim)).astype(np.float32)
+    if kv_dtype.startswith("float8"):
+        token_rows = values.reshape(num_pages, page_size, 2 * num_kv_heads, head_dim)
+        # Give rows different magnitudes, as real K/V have, so per-row scales matter.
+        token_rows = token_rows * rng.uniform(0.05, 20.0, size=shape[:3] + (1,)).astype(np.float32)
+        quantized, scales = quantize_per_row(jnp.asarray(np.nan_to_num(token_rows)), jnp.dtype(kv_dtype))
+        pages = jnp.where(jnp.asarray(used)[..., None, None], quantized, jnp.asarray(np.nan, quantized.dtype))
+        scales = jnp.where(jnp.asarray(used)[..., None], scales, jnp.nan).transpose(0, 2, 1)
+        kv_pages = QuantizedKVPages(pages=pages, scales=scales)
+    else:
+        kv_pages = jnp.asarray(values, jnp.dtype(kv_dtype))
+    return AttentionCase(
+        q=jnp.asarray(q, q_dtype),
+        kv_pages=kv_pages,
+        metadata=metadata,
+        num_live_tokens=num_tokens,
+        sm_scale=head_dim**-0.5,
+    )
+
+
+def relative_error(out, ref, num_live_tokens: int) -> float:
+    """||out - ref|| / ||ref|| over the live tokens, in f64."""
+    out = np.asarray(out, np.float64)[:num_live_tokens]
+    ref = np.asarray(ref, np.float64)[:num_live_tokens]
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
