@@ -73,7 +73,7 @@ def _attention_kernel(
     head = pl.program_id(0)
     q_block = pl.program_id(1)
     rows, head_dim = q_ref.shape
-    pages_per_block, page_size = layout.pages_per_block, layout.page_size
+    pages_per_block = layout.pages_per_block
     block_tokens = layout.block_tokens
     block_first_token = q_block * layout.queries_per_block
     last_row = last_rows_ref[q_block]
@@ -84,7 +84,9 @@ def _attention_kernel(
         for j in range(pages_per_block):
             page = block_tables_ref[row * layout.pages_per_seq + kv_block * pages_per_block + j]
             descriptors.append(
-                pltpu.make_async_copy(kv_pages_hbm_ref.at[page, :, 2 * head, :], k_buffer.at[slot, j], semaphores.at[slot])
+                pltpu.make_async_copy(
+                    kv_pages_hbm_ref.at[page, :, 2 * head, :], k_buffer.at[slot, j], semaphores.at[slot]
+                )
             )
             descriptors.append(
                 pltpu.make_async_copy(
