@@ -1,14 +1,30 @@
 """Paged-attention kernels and their pure-jnp references; depends on jax only."""
 
 from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.ops import ATTENTION_IMPLS, paged_attention, resolve_attention_impl
+from pallas_kernels.ops import (
+    ATTENTION_IMPLS,
+    RESOLVED_IMPLS,
+    paged_attention,
+    ragged_attention,
+    resolve_attention_impl,
+)
+from pallas_kernels.paged_attention_gpu import paged_attention_gpu
+from pallas_kernels.quantization import QuantizedKVPages, empty_quantized_pages, quantize_per_row
+from pallas_kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
 from pallas_kernels.reference import ragged_paged_attention_reference, write_kv_reference
 
 __all__ = [
     "ATTENTION_IMPLS",
     "AttentionMetadata",
+    "QuantizedKVPages",
+    "RESOLVED_IMPLS",
+    "empty_quantized_pages",
     "paged_attention",
+    "paged_attention_gpu",
+    "quantize_per_row",
+    "ragged_attention",
     "ragged_paged_attention_reference",
+    "ragged_paged_attention_tpu",
     "resolve_attention_impl",
     "write_kv_reference",
 ]
