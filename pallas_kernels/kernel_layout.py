@@ -61,6 +61,7 @@ def kernel_layout(
     pages_per_block: int | None,
     min_rows: int = 8,
     power_of_two_group: bool = False,
+    decode_queries_per_block: int | None = None,
 ) -> KernelLayout:
     """Choose block sizes for a batch of this shape (all static: shapes, not values).
 
@@ -73,7 +74,9 @@ def kernel_layout(
       sm_scale, sliding_window, soft_cap: attention options, carried into the kernel.
       queries_per_block, pages_per_block: overrides of the default block sizes.
       min_rows: smallest query tile in rows (8 sublanes on TPU, 16 for a GPU dot).
-      power_of_two_group: pad the query heads per KV head to a power of two (Triton tiles).
+      power_of_two_group: pad the query heads per KV head to a power of two (Triton tiles), and
+        further to `min_rows // queries_per_block` with dummy heads when the tile would be too small.
+      decode_queries_per_block: tokens per query block for decode-shaped batches (default: fill min_rows).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, two_k, kv_head_dim = kv_pages.shape
@@ -86,8 +89,13 @@ def kernel_layout(
     group = _power_of_two_at_least(true_group) if power_of_two_group else true_group
     num_rows, width = metadata.block_tables.shape
     if queries_per_block is None:
-        rows = min_rows if num_tokens <= num_rows else max(min_rows, _PREFILL_ROWS)
-        queries_per_block = min(max(1, rows // group), _power_of_two_at_least(num_tokens))
+        if num_tokens <= num_rows:
+            queries_per_block = decode_queries_per_block or max(1, min_rows // group)
+        else:
+            queries_per_block = max(1, max(min_rows, _PREFILL_ROWS) // group)
+        queries_per_block = min(queries_per_block, _power_of_two_at_least(num_tokens))
+    if power_of_two_group and queries_per_block * group < min_rows:
+        group = max(group, min_rows // queries_per_block)
     if pages_per_block is None:
         pages_per_block = max(1, min(_DEFAULT_BLOCK_TOKENS // page_size, _power_of_two_at_least(width)))
     if queries_per_block < 1 or pages_per_block < 1:

@@ -186,6 +186,9 @@ def paged_attention_gpu(
         pages_per_block=pages_per_block,
         min_rows=_MIN_ROWS,
         power_of_two_group=True,
+        # One token per decode tile (dummy query heads fill it to 16 rows): one program per
+        # (sequence, KV head) keeps every SM busy on a decode batch.
+        decode_queries_per_block=1,
     )
     for name, value in (
         ("page_size", layout.page_size),

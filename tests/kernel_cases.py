@@ -14,6 +14,23 @@ RELATIVE_TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float8_e4m3fn": 1e-2, 
 # (kv_lens, q_lens) for the batch kinds; page-boundary lengths are filled in per page size.
 BATCH_KINDS = ("decode", "prefill", "mixed")
 
+# (kv dtype, batch kind, page size, head_dim, query heads per KV head). Every dtype meets every
+# batch kind; every page size, head_dim and GQA ratio appears several times.
+CASES = [
+    ("float32", "decode", 8, 64, 1),
+    ("float32", "prefill", 16, 128, 2),
+    ("float32", "mixed", 32, 64, 4),
+    ("float32", "mixed", 64, 128, 8),
+    ("bfloat16", "decode", 16, 128, 4),
+    ("bfloat16", "prefill", 32, 64, 8),
+    ("bfloat16", "mixed", 8, 128, 1),
+    ("float8_e4m3fn", "decode", 64, 64, 2),
+    ("float8_e4m3fn", "prefill", 8, 64, 4),
+    ("float8_e4m3fn", "mixed", 16, 64, 8),
+    ("float8_e4m3fn", "mixed", 32, 128, 1),
+    ("float8_e5m2", "mixed", 16, 64, 2),
+]
+
 
 @dataclasses.dataclass
 class AttentionCase:

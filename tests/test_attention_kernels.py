@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from kernel_cases import BATCH_KINDS, RELATIVE_TOLERANCE, batch_lengths, make_case, relative_error
+from kernel_cases import BATCH_KINDS, CASES, RELATIVE_TOLERANCE, batch_lengths, make_case, relative_error
 
 from pallas_kernels import (
     paged_attention_gpu,
@@ -25,24 +25,6 @@ KERNELS = {
         case.q, case.kv_pages, case.metadata, sm_scale=case.sm_scale, interpret=True, **kw
     ),
 }
-
-# (kv dtype, batch kind, page size, head_dim, query heads per KV head). Every dtype meets every
-# batch kind; every page size, head_dim and GQA ratio appears several times.
-CASES = [
-    ("float32", "decode", 8, 64, 1),
-    ("float32", "prefill", 16, 128, 2),
-    ("float32", "mixed", 32, 64, 4),
-    ("float32", "mixed", 64, 128, 8),
-    ("bfloat16", "decode", 16, 128, 4),
-    ("bfloat16", "prefill", 32, 64, 8),
-    ("bfloat16", "mixed", 8, 128, 1),
-    ("float8_e4m3fn", "decode", 64, 64, 2),
-    ("float8_e4m3fn", "prefill", 8, 64, 4),
-    ("float8_e4m3fn", "mixed", 16, 64, 8),
-    ("float8_e4m3fn", "mixed", 32, 128, 1),
-    ("float8_e5m2", "mixed", 16, 64, 2),
-]
-
 
 def _case(seed, kv_dtype, kind, page_size, head_dim, group, num_kv_heads=2, **kwargs):
     kv_lens, q_lens = batch_lengths(kind, page_size)
