@@ -26,6 +26,7 @@ KERNELS = {
     ),
 }
 
+
 def _case(seed, kv_dtype, kind, page_size, head_dim, group, num_kv_heads=2, **kwargs):
     kv_lens, q_lens = batch_lengths(kind, page_size)
     return make_case(

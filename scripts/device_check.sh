@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One prepared run for an accelerator machine: the kernel tests' cases natively, then the kernel benchmark.
+#
+#   scripts/device_check.sh [OUT_DIR]      (OUT_DIR defaults to $OUT, else bench_results)
+#
+# Needs only python3 with jax (and its CUDA or TPU plugin) and numpy: no network, no pip, no pytest.
+# On a machine without an accelerator it runs the benchmark's XLA-path part on a small preset.
+# Writes OUT_DIR/native_checks.txt, OUT_DIR/kernels.json and OUT_DIR/kernels.md; the table is printed last.
+# Budget: the checks are cut at 4 minutes and the benchmark at 5, so the whole run fits in 10.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out_dir="${1:-${OUT:-bench_results}}"
+python="${PYTHON:-python3}"
+mkdir -p "$out_dir"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+"$python" -c "import jax, sys; print('python', sys.version.split()[0], 'jax', jax.__version__, jax.devices())"
+backend="$("$python" -c 'import jax; print(jax.default_backend())')"
+status=0
+if [ "$backend" = "cpu" ]; then
+  echo "no accelerator: skipping the native kernel checks; benchmarking the XLA path on the small preset"
+  "$python" scripts/bench_kernels.py --impls xla --preset small --out "$out_dir/kernels" ${BENCH_ARGS:-} || status=1
+else
+  timeout 240 "$python" scripts/check_kernels_native.py 2>&1 | tee "$out_dir/native_checks.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  timeout 300 "$python" scripts/bench_kernels.py --out "$out_dir/kernels" ${BENCH_ARGS:-} || status=1
+fi
+echo "device_check exit status: $status"
+exit $status
