@@ -75,3 +75,14 @@ def test_device_check_runs_the_xla_part_on_cpu(tmp_path):
     assert workloads == {"decode", "mixed", "kv"}
     assert result["copy_gb_per_s"] > 0
     assert (tmp_path / "kernels.md").read_text() in run.stdout  # the table is printed
+
+
+def test_pallas_kernels_import_on_their_own():
+    """pallas_kernels depends on jax only: importing it loads no flax, models or paxkv."""
+    code = (
+        "import sys, pallas_kernels; "
+        "bad = sorted({m.split('.')[0] for m in sys.modules} & {'flax', 'models', 'paxkv', 'torch', 'transformers'}); "
+        "print(bad); sys.exit(bool(bad))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
