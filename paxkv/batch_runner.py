@@ -101,7 +101,9 @@ def run_lines(
             else:
                 text = line.prompt if isinstance(line.prompt, str) else None
                 token_ids = encode_prompt(tokenizer, line.prompt)
-            engine.add_request(line.request_id, token_ids, line.sampling_params, prompt=text)
+            engine.add_request(
+                line.request_id, token_ids, line.sampling_params, prompt=text, cache_salt=line.cache_salt
+            )
             admitted[line.request_id] = index
         except ValueError as e:
             message = f"{where}{e}"

@@ -17,6 +17,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: min(the model's context, 4096)
     kv_cache_dtype: str = "auto"  # "auto" (the parameters' dtype), "float32" or "bfloat16"
     seed: int = 0  # draws seeds for requests that give none
+    enable_prefix_caching: bool = True  # share full prompt pages between requests (paxkv/prefix_trie.py)
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):

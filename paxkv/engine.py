@@ -12,6 +12,7 @@ from paxkv.config import EngineConfig
 from paxkv.metrics import EngineMetrics
 from paxkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from paxkv.page_allocator import PageAllocator
+from paxkv.prefix_trie import PrefixTrie
 from paxkv.request import Request
 from paxkv.sampler import SamplingArrays
 from paxkv.sampling_params import SamplingParams
@@ -73,6 +74,7 @@ class Engine:
                 "kv_cache_memory_bytes, or lower max_num_seqs"
             )
         self.allocator = PageAllocator(num_pages)
+        self.prefix_trie = PrefixTrie(self.allocator, config.page_size) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.allocator,
             page_size=config.page_size,
@@ -80,6 +82,7 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             eos_token_ids=loaded.generation_config.eos_token_ids,
+            prefix_trie=self.prefix_trie,
         )
         try:
             self.kv_caches = models.allocate_kv_caches(model_config, num_pages, config.page_size, kv_dtype)
@@ -121,6 +124,7 @@ class Engine:
         prompt_token_ids,
         sampling_params: SamplingParams | None = None,
         prompt: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request; raise ValueError (and change nothing) when it is malformed or can never fit.
 
@@ -129,7 +133,10 @@ class Engine:
           prompt_token_ids: the prompt's token ids.
           sampling_params: how to sample; SamplingParams() when None.
           prompt: the prompt text, echoed in outputs.
+          cache_salt: requests with different salts never share cached KV pages (tenant isolation).
         """
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"request {request_id!r}: cache_salt must be a string or None, not {cache_salt!r}")
         sampling_params = sampling_params or SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(
@@ -157,7 +164,7 @@ class Engine:
             )
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use; give each request a unique id")
-        request = Request(request_id, prompt_token_ids, sampling_params)
+        request = Request(request_id, prompt_token_ids, sampling_params, cache_salt=cache_salt)
         self.scheduler.add_request(request)
         seed = sampling_params.seed if sampling_params.seed is not None else int(self._seed_source.integers(2**31))
         tokenizer = self.loaded.tokenizer
@@ -219,7 +226,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        pages_in_step = self.allocator.num_used_pages  # before finished requests free theirs
+        pages_in_step = self._num_request_pages()  # before finished requests free theirs
         for sequence in batch.sequences:
             metrics = self._tracked[sequence.request.request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or start
@@ -256,9 +263,21 @@ class Engine:
         self._refresh_pool_gauges(start=start, num_tokens=batch.num_batched_tokens, peak=pages_in_step)
         return outputs
 
+    def _num_request_pages(self) -> int:
+        """Distinct pages running requests hold (a shared prefix page counts once)."""
+        return len({page for request in self.scheduler.running for page in request.block_table})
+
     def _refresh_pool_gauges(self, *, start: float | None = None, num_tokens: int = 0, peak: int = 0) -> None:
         """Update the pool gauges; with `start`, also account a step that began then and held `peak` pages."""
-        used = self.allocator.num_used_pages
+        used = self._num_request_pages()
+        metrics = self.metrics
+        # Every allocated page is held by a request, or else only by the prefix cache (idle).
+        metrics.kv_pages_cached_idle = self.allocator.num_used_pages - used
+        metrics.prefix_query_tokens = self.scheduler.num_prefix_query_tokens
+        metrics.prefix_hit_tokens = self.scheduler.num_prefix_hit_tokens
+        if self.prefix_trie is not None:
+            metrics.kv_pages_cached = self.prefix_trie.num_cached_pages
+            metrics.prefix_evictions = self.prefix_trie.num_evictions
         if start is None:
             self.metrics.kv_pages_used = used
             return

@@ -23,8 +23,13 @@ class EngineMetrics:
     num_steps: int = 0
     num_preemptions: int = 0
     num_compilations: int = 0
-    kv_pages_used: int = 0
+    kv_pages_used: int = 0  # pages some request holds (shared pages count once)
     peak_kv_pages_used: int = 0
+    kv_pages_cached_idle: int = 0  # pages only the prefix cache holds: resident, reclaimable by eviction
+    kv_pages_cached: int = 0  # pages the prefix cache holds, idle or not
+    prefix_query_tokens: int = 0  # prompt tokens looked up at first admission (not after preemption)
+    prefix_hit_tokens: int = 0  # of those, found in the cache
+    prefix_evictions: int = 0
     allocated_slot_steps: int = 0  # sum over steps of allocated token slots
     unfilled_slot_steps: int = 0  # sum over steps of allocated but unfilled token slots
     busy_seconds: float = 0.0  # wall time inside step() with work to do
@@ -33,8 +38,13 @@ class EngineMetrics:
 
     @property
     def kv_pages_free(self) -> int:
-        """Pages free now."""
-        return self.num_total_pages - self.kv_pages_used
+        """Pages on the free list now (idle cached pages are not free until evicted)."""
+        return self.num_total_pages - self.kv_pages_used - self.kv_pages_cached_idle
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of looked-up prompt tokens found in the prefix cache."""
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
     @property
     def kv_waste_fraction(self) -> float:
@@ -66,10 +76,10 @@ class EngineMetrics:
         Args:
           start: when the step began.
           num_tokens: tokens the step ran through the model.
-          kv_pages_used: pages held after the step.
+          kv_pages_used: pages requests hold after the step.
           allocated: token slots in the running requests' pages after the step.
           filled: of those, slots holding a computed token.
-          peak_kv_pages: pages held during the step, before finished requests freed theirs.
+          peak_kv_pages: pages requests held during the step, before finished requests freed theirs.
         """
         end = time.monotonic()
         self.num_steps += 1
@@ -90,6 +100,7 @@ class EngineMetrics:
             values.pop(name)
         values.update(
             kv_pages_free=self.kv_pages_free,
+            prefix_hit_rate=self.prefix_hit_rate,
             kv_waste_fraction=self.kv_waste_fraction,
             elapsed_seconds=self.elapsed_seconds,
             generated_tokens_per_s=self.generated_tokens_per_s,

@@ -9,7 +9,7 @@ from paxkv.sampling_params import SamplingParams
 
 # Keys a line may carry besides the sampling fields.
 PROMPT_KEYS = ("prompt", "messages")
-OTHER_KEYS = ("id",)
+OTHER_KEYS = ("id", "cache_salt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +21,7 @@ class PromptLine:
     prompt: str | list[int] | None
     messages: list[dict] | None
     sampling_params: SamplingParams
+    cache_salt: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,8 @@ def parse_line(text: str, line_number: int, defaults: Mapping[str, Any]) -> Prom
     unknown = sorted(set(record) - sampling_fields - set(PROMPT_KEYS) - set(OTHER_KEYS))
     if unknown:
         raise ValueError(
-            f"unknown field(s) {unknown}; a line holds {list(PROMPT_KEYS)} (one of them), optional 'id', "
+            f"unknown field(s) {unknown}; a line holds {list(PROMPT_KEYS)} (one of them), optional 'id' and "
+            "'cache_salt', "
             f"and sampling fields {sorted(sampling_fields)}"
         )
     given = [key for key in PROMPT_KEYS if key in record]
@@ -80,8 +82,11 @@ def parse_line(text: str, line_number: int, defaults: Mapping[str, Any]) -> Prom
     request_id = str(record.get("id", f"line-{line_number}"))
     prompt = _check_prompt(record["prompt"]) if "prompt" in record else None
     messages = _check_messages(record["messages"]) if "messages" in record else None
+    cache_salt = record.get("cache_salt")
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise ValueError('"cache_salt" must be a string')
     params = {**defaults, **{key: value for key, value in record.items() if key in sampling_fields}}
-    return PromptLine(line_number, request_id, prompt, messages, SamplingParams.from_dict(params))
+    return PromptLine(line_number, request_id, prompt, messages, SamplingParams.from_dict(params), cache_salt)
 
 
 def parse_lines(lines: Iterable[str], defaults: Mapping[str, Any], source: str) -> list[PromptLine | BadLine]:

@@ -37,6 +37,10 @@ class Request:
     arrival_index: int = -1
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     num_preemptions: int = 0
+    # Requests with different salts never share cached pages (tenant isolation).
+    cache_salt: str | None = None
+    # Leading pages of block_table already offered to the prefix cache (matched there or inserted).
+    num_cached_pages: int = 0
 
     def __post_init__(self):
         """Copy the prompt into a list of ints so callers' lists are never shared."""

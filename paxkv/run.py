@@ -39,6 +39,7 @@ flags.DEFINE_integer("max_num_batched_tokens", 512, "Most tokens in one step.")
 flags.DEFINE_integer("max_model_len", None, "Longest prompt plus output (default: min(model context, 4096)).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter storage dtype.")
 flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "float32", "bfloat16"], "KV pool dtype; auto is --dtype.")
+flags.DEFINE_bool("no_prefix_caching", False, "Turn off prefix caching (sharing full prompt pages between requests).")
 flags.DEFINE_enum("attention_impl", "auto", ["auto", "pallas", "interpret", "xla"], "Attention implementation.")
 flags.DEFINE_string(
     "compilation_cache_dir",
@@ -128,6 +129,11 @@ def _summary(engine, wall_seconds: float, num_failed: int) -> dict:
         "kv_waste_percent": 100 * metrics.kv_waste_fraction,
         "preemptions": metrics.num_preemptions,
         "compilations": metrics.num_compilations,
+        "prefix_query_tokens": metrics.prefix_query_tokens,
+        "prefix_hit_tokens": metrics.prefix_hit_tokens,
+        "prefix_hit_percent": 100 * metrics.prefix_hit_rate,
+        "kv_pages_cached_idle": metrics.kv_pages_cached_idle,
+        "prefix_evictions": metrics.prefix_evictions,
     }
 
 
@@ -139,7 +145,10 @@ def _print_summary(summary: dict) -> None:
         f"{summary['total_tokens_per_s']:.1f} total tok/s\n"
         f"# KV: peak {summary['peak_kv_pages_used']}/{summary['kv_pages_total']} pages, "
         f"waste {summary['kv_waste_percent']:.1f}%, {summary['preemptions']} preemptions, "
-        f"{summary['compilations']} step compilations",
+        f"{summary['compilations']} step compilations\n"
+        f"# prefix cache: {summary['prefix_hit_tokens']}/{summary['prefix_query_tokens']} prompt tokens hit "
+        f"({summary['prefix_hit_percent']:.1f}%), {summary['kv_pages_cached_idle']} idle cached pages, "
+        f"{summary['prefix_evictions']} evictions",
         file=sys.stderr,
     )
 
@@ -160,6 +169,7 @@ def main(argv):
             max_num_batched_tokens=FLAGS.max_num_batched_tokens,
             max_model_len=FLAGS.max_model_len,
             kv_cache_dtype=FLAGS.kv_cache_dtype,
+            enable_prefix_caching=not FLAGS.no_prefix_caching,
         )
         from paxkv.config import EngineConfig
 

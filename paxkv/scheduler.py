@@ -6,6 +6,7 @@ import logging
 from collections.abc import Iterable, Mapping
 
 from paxkv.page_allocator import PageAllocator
+from paxkv.prefix_trie import PrefixTrie
 from paxkv.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
+        prefix_trie: PrefixTrie | None = None,
     ):
         """Creates a scheduler that hands out pages of `allocator`.
 
@@ -72,6 +74,7 @@ class Scheduler:
           max_num_batched_tokens: the most new tokens in one step, prefill chunks and decodes together.
           max_model_len: the most tokens (prompt plus output) one request may reach.
           eos_token_ids: tokens that stop a request unless its sampling params say ignore_eos.
+          prefix_trie: a prefix cache over the same allocator, or None for no caching.
         """
         for name, value in (
             ("page_size", page_size),
@@ -92,6 +95,11 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_trie = prefix_trie
+        # Prompt tokens looked up in the prefix cache at first admission, and those found there.
+        # Recomputation after a preemption is neither (vllm #25780: it would inflate the hit rate).
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
         self._num_arrivals = 0
         self._unfinished: dict[str, Request] = {}
 
@@ -155,7 +163,7 @@ class Scheduler:
             request = self.running[index]
             num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
             assert num_new_tokens > 0, f"request {request.request_id!r} has nothing to compute; call update first"
-            while not self._can_grow(request, num_new_tokens):
+            while not self._ensure_pages(request, num_new_tokens):
                 victim = self.running[-1]
                 if victim is request and index == 0:
                     raise RuntimeError(
@@ -176,9 +184,14 @@ class Scheduler:
         # After a preemption the pool is tight: admitting now would only start a request to preempt it again.
         while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             request = self.waiting[0]
+            num_matched_tokens = self._match_prefix(request)
             num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
-            if not self._can_grow(request, num_new_tokens):
+            if not self._ensure_pages(request, num_new_tokens):
+                self._free_pages(request)  # give back the matched pages; the match is retried next step
                 break
+            if self.prefix_trie is not None and request.num_preemptions == 0:
+                self.num_prefix_query_tokens += request.num_prompt_tokens
+                self.num_prefix_hit_tokens += num_matched_tokens
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -207,6 +220,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # Aborted (or preempted by a later schedule) since this batch was built.
             request.num_computed_tokens += sequence.num_new_tokens
+            self._cache_full_pages(request)
             if not sequence.completes_prompt:
                 continue
             if request.request_id not in sampled_tokens:
@@ -279,9 +293,50 @@ class Scheduler:
         num_pages = Request.num_pages_needed(self.page_size, request.num_computed_tokens + num_new_tokens)
         return max(num_pages - len(request.block_table), 0)
 
-    def _can_grow(self, request: Request, num_new_tokens: int) -> bool:
-        """Whether the pool has the pages a request lacks for `num_new_tokens` more tokens."""
-        return self.allocator.can_allocate(self._num_new_pages(request, num_new_tokens))
+    def _ensure_pages(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether the pool has the pages a request lacks for `num_new_tokens` more tokens, evicting idle cached
+        pages (least recently used first) only when the free list alone falls short."""
+        num_pages = self._num_new_pages(request, num_new_tokens)
+        if self.allocator.can_allocate(num_pages):
+            return True
+        if self.prefix_trie is not None:
+            self.prefix_trie.evict(num_pages - self.allocator.num_free_pages)
+        return self.allocator.can_allocate(num_pages)
+
+    def _match_prefix(self, request: Request) -> int:
+        """Start a request with no pages on its longest cached prefix (shared by incref); return its tokens."""
+        if self.prefix_trie is None or request.block_table:
+            return 0
+        pages = self.prefix_trie.match(request.all_token_ids, request.cache_salt)
+        self.allocator.incref(pages)
+        request.block_table = list(pages)
+        request.num_cached_pages = len(pages)
+        request.num_computed_tokens = len(pages) * self.page_size
+        return request.num_computed_tokens
+
+    def _cache_full_pages(self, request: Request) -> None:
+        """Offer the prefix cache the request's pages that its computed tokens have filled since last time."""
+        if self.prefix_trie is None:
+            return
+        num_full_pages = request.num_computed_tokens // self.page_size
+        if num_full_pages > request.num_cached_pages:
+            tokens = request.all_token_ids[: num_full_pages * self.page_size]
+            self.prefix_trie.insert(tokens, request.block_table[:num_full_pages], request.cache_salt)
+            request.num_cached_pages = num_full_pages
+
+    def check_page_invariants(self) -> None:
+        """Raises AssertionError unless every page's ref count is its holders: block tables plus the trie."""
+        self.allocator.check_invariants()
+        holders = collections.Counter(page for request in self.running for page in request.block_table)
+        for request in self.waiting:
+            assert not request.block_table, f"waiting request {request.request_id!r} holds pages"
+        cached = self.prefix_trie.cached_pages() if self.prefix_trie is not None else []
+        assert len(cached) == len(set(cached)), "the trie holds a page twice"
+        holders.update(cached)
+        for page in range(1, self.allocator.num_pages):
+            assert self.allocator.ref_count(page) == holders[page], (
+                f"page {page} has ref count {self.allocator.ref_count(page)} but {holders[page]} holders"
+            )
 
     def _grow(self, request: Request, num_new_tokens: int) -> ScheduledSequence:
         """Allocates the pages for a request's next `num_new_tokens` tokens and describes them as one sequence."""
@@ -318,3 +373,4 @@ class Scheduler:
         self.allocator.free(request.block_table)
         request.block_table = []
         request.num_computed_tokens = 0
+        request.num_cached_pages = 0

@@ -80,7 +80,9 @@ def test_metrics_count_tokens_pages_and_waste(tiny):
     assert metrics.num_requests == metrics.num_finished_requests == 2
     assert metrics.num_prompt_tokens == 23 and metrics.num_generated_tokens == 20
     assert metrics.num_computed_tokens == 23 + 2 * 9  # the last sampled token's KV is never computed
-    assert metrics.peak_kv_pages_used == 3 and metrics.kv_pages_used == 0 and metrics.kv_pages_free == 63
+    assert metrics.peak_kv_pages_used == 3 and metrics.kv_pages_used == 0
+    # a computed 29 tokens, so its first page is full and stays in the prefix cache, idle, after it finished.
+    assert metrics.kv_pages_cached_idle == metrics.kv_pages_cached == 1 and metrics.kv_pages_free == 62
     # Allocated vs filled slots after each step: step 1 prefills both (a: 2 pages for 20 tokens, b: 1 page for 3);
     # decode steps 2..9 hold the same 3 pages while a fills 21..28 and b 4..11 slots; at step 10 both finish.
     allocated = 48 + 8 * 48
