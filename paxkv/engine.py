@@ -10,32 +10,18 @@ import numpy as np
 import models
 from paxkv.config import EngineConfig
 from paxkv.metrics import EngineMetrics
-from paxkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from paxkv.outputs import RequestMetrics, RequestOutput
 from paxkv.page_allocator import PageAllocator
 from paxkv.prefix_trie import PrefixTrie
 from paxkv.request import Request
 from paxkv.sampler import SamplingArrays
 from paxkv.sampling_params import SamplingParams
 from paxkv.scheduler import ScheduledBatch, Scheduler
-from paxkv.step import SampledTokens, engine_step, num_step_compilations, static_graph
+from paxkv.step import SampledTokens, copy_pages, engine_step, num_step_compilations, page_copy_arrays, static_graph
 from paxkv.step_inputs import StepInputs, num_buckets
+from paxkv.tracking import RequestGroup, SampleState, append_logprobs
 
 logger = logging.getLogger(__name__)
-
-
-class _Tracked:
-    """Engine-side state of one request: its seed, streamed text and metrics."""
-
-    def __init__(self, request: Request, prompt: str | None, seed: int, detokenizer):
-        self.request = request
-        self.prompt = prompt
-        self.seed = seed
-        self.detokenizer = detokenizer
-        self.text = ""
-        self.logprobs: list[dict[int, Logprob]] = []
-        self.cumulative_logprob = 0.0
-        self.stop_reason: str | int | None = None
-        self.metrics = RequestMetrics(arrival_time=time.monotonic())
 
 
 class Engine:
@@ -94,7 +80,9 @@ class Engine:
             ) from None
         self.pages_per_seq = -(-self.max_model_len // config.page_size)
         self._seed_source = np.random.default_rng(config.seed)
-        self._tracked: dict[str, _Tracked] = {}
+        # Each caller's request by its id, and each of its samples by scheduler request id.
+        self._groups: dict[str, RequestGroup] = {}
+        self._samples: dict[str, SampleState] = {}
         self._graph = static_graph(loaded.graphdef)
         # (T bucket, S bucket, penalties?, suppress?, logprobs?): each distinct one is one step program.
         self.step_shapes: set[tuple[int, int, bool, bool, bool]] = set()
@@ -142,10 +130,6 @@ class Engine:
             raise ValueError(
                 f"request {request_id!r}: sampling_params must be a SamplingParams, not {sampling_params!r}"
             )
-        if sampling_params.n != 1:
-            raise ValueError(
-                f"request {request_id!r}: n={sampling_params.n}; parallel sampling is not supported yet, use n=1"
-            )
         try:
             prompt_token_ids = [int(t) for t in prompt_token_ids]
         except (TypeError, ValueError):
@@ -162,15 +146,38 @@ class Engine:
             raise ValueError(
                 f"request {request_id!r} has stop_token_ids outside the vocabulary [0, {vocab_size}): {bad_stops[:5]}"
             )
-        if request_id in self._tracked:
-            raise ValueError(f"request id {request_id!r} is already in use; give each request a unique id")
+        if request_id in self._groups or "#" in request_id:
+            raise ValueError(
+                f"request id {request_id!r} is already in use or contains '#' (reserved for the samples of n > 1); "
+                "give each request a unique id without '#'"
+            )
         request = Request(request_id, prompt_token_ids, sampling_params, cache_salt=cache_salt)
         self.scheduler.add_request(request)
+        # Sample i of n draws from seed + i: distinct streams, reproducible from the one seed.
         seed = sampling_params.seed if sampling_params.seed is not None else int(self._seed_source.integers(2**31))
-        tokenizer = self.loaded.tokenizer
-        detokenizer = tokenizer.detokenizer() if tokenizer is not None else None
-        self._tracked[request_id] = _Tracked(request, prompt, seed, detokenizer)
+        group = RequestGroup(
+            request_id,
+            prompt,
+            list(prompt_token_ids),
+            sampling_params.n,
+            RequestMetrics(arrival_time=time.monotonic()),
+        )
+        self._groups[request_id] = group
+        self._add_sample(group, request, seed)
         self.metrics.num_requests += 1
+
+    def _add_sample(self, group: RequestGroup, request: Request, seed: int) -> None:
+        """Track one sample of `group` (sample 0 at add_request, the others as the scheduler forks them)."""
+        tokenizer = self.loaded.tokenizer
+        sample = SampleState(request, seed, tokenizer.detokenizer() if tokenizer is not None else None)
+        group.samples.append(sample)
+        self._samples[request.request_id] = sample
+
+    def _adopt_forks(self) -> None:
+        """Start tracking the sibling samples the scheduler forked since the last call."""
+        for request in self.scheduler.take_forked():
+            group = self._groups[request.parent_request_id]
+            self._add_sample(group, request, group.samples[0].seed + request.sample_index)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its output so far comes back with finish_reason "abort".
@@ -178,14 +185,17 @@ class Engine:
         Args:
           request_id: the id given to add_request.
         """
-        request = self.scheduler.abort(request_id)
-        if request is None:
+        group = self._groups.pop(request_id, None)
+        if group is None:
             return None
-        tracked = self._tracked.pop(request_id)
-        tracked.metrics.finished_time = time.monotonic()
+        for sample_id in group.unfinished_request_ids():
+            self.scheduler.abort(sample_id)
+            del self._samples[sample_id]
+        group.num_samples = len(group.samples)  # samples a pending fork never made do not exist
+        group.metrics.finished_time = time.monotonic()
         self.metrics.num_aborted_requests += 1
         self._refresh_pool_gauges()
-        return self._output(tracked)
+        return group.output()
 
     def withdraw(self, request_id: str) -> None:
         """Undo add_request for a request that has not been scheduled yet, leaving no trace in the metrics.
@@ -193,11 +203,11 @@ class Engine:
         Args:
           request_id: the id given to add_request.
         """
-        tracked = self._tracked.get(request_id)
-        if tracked is None or tracked.metrics.first_scheduled_time is not None:
+        group = self._groups.get(request_id)
+        if group is None or group.metrics.first_scheduled_time is not None:
             raise ValueError(f"request {request_id!r} cannot be withdrawn: it is unknown or has already run")
         self.scheduler.abort(request_id)
-        del self._tracked[request_id]
+        del self._groups[request_id], self._samples[request_id]
         self.metrics.num_requests -= 1
 
     def has_unfinished_requests(self) -> bool:
@@ -226,10 +236,13 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        self._adopt_forks()
         pages_in_step = self._num_request_pages()  # before finished requests free theirs
         for sequence in batch.sequences:
-            metrics = self._tracked[sequence.request.request_id].metrics
+            metrics = self._groups[sequence.request.group_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or start
+        if batch.page_copies:
+            self.kv_caches = copy_pages(self.kv_caches, *page_copy_arrays(batch.page_copies))
         sampled_tokens = self._run(batch)
         tokens = np.asarray(sampled_tokens.tokens)
         sampled = {}
@@ -237,26 +250,33 @@ class Engine:
             if sequence.completes_prompt:
                 sampled[sequence.request.request_id] = int(tokens[row])
         self.scheduler.update(batch, sampled)
-        outputs = []
+        self._adopt_forks()
+        advanced: dict[str, RequestGroup] = {}  # in batch order
         now = time.monotonic()
         host_logprobs = None
         for row, sequence in enumerate(batch.sequences):
             request_id = sequence.request.request_id
             if request_id not in sampled:
                 continue
-            tracked = self._tracked[request_id]
-            tracked.metrics.first_token_time = tracked.metrics.first_token_time or now
-            tracked.metrics.num_generated_tokens += 1
-            if tracked.request.sampling_params.logprobs is not None:
+            sample = self._samples[request_id]
+            group = self._groups[sequence.request.group_id]
+            group.metrics.first_token_time = group.metrics.first_token_time or now
+            group.metrics.num_generated_tokens += 1
+            if sample.request.sampling_params.logprobs is not None:
                 host_logprobs = host_logprobs or jax.device_get(sampled_tokens)
-                self._append_logprobs(tracked, host_logprobs, row)
-            self._append_text(tracked, sampled[request_id])
-            if tracked.request.is_finished:
-                tracked.metrics.finished_time = now
-                del self._tracked[request_id]
+                append_logprobs(sample, host_logprobs, row, self.loaded.tokenizer)
+            self._append_text(sample, sampled[request_id])
+            if sample.request.is_finished:
+                del self._samples[request_id]
+            advanced[group.request_id] = group
+        outputs = []
+        for group in advanced.values():
+            if group.finished:
+                group.metrics.finished_time = now
+                del self._groups[group.request_id]
                 self.metrics.num_finished_requests += 1
-                self.metrics.num_prompt_tokens += tracked.request.num_prompt_tokens
-            outputs.append(self._output(tracked))
+                self.metrics.num_prompt_tokens += len(group.prompt_token_ids)
+            outputs.append(group.output())
         self.metrics.num_generated_tokens += len(sampled)
         self.metrics.num_preemptions = self.scheduler.num_preemptions
         self.metrics.num_compilations = num_step_compilations()
@@ -286,21 +306,6 @@ class Engine:
         filled = sum(request.num_computed_tokens for request in running)
         self.metrics.record_step(start, num_tokens, used, allocated, filled, peak_kv_pages=peak)
 
-    def _append_logprobs(self, tracked: _Tracked, sampled: SampledTokens, row: int) -> None:
-        """Record the sampled token's log-probability and the requested top-k at this position."""
-        token_id = int(sampled.tokens[row])
-        tokenizer = self.loaded.tokenizer
-        decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else (lambda t: None)
-        entry = {}
-        num_top = tracked.request.sampling_params.logprobs
-        top_ids, top_values = sampled.top_ids[row, :num_top], sampled.top_logprobs[row, :num_top]
-        for rank, (top_id, top_value) in enumerate(zip(top_ids, top_values, strict=True), start=1):
-            entry[int(top_id)] = Logprob(float(top_value), rank, decode(int(top_id)))
-        token_logprob = float(sampled.logprobs[row])
-        entry.setdefault(token_id, Logprob(token_logprob, int(sampled.ranks[row]), decode(token_id)))
-        tracked.logprobs.append(entry)
-        tracked.cumulative_logprob += token_logprob
-
     def step_arguments(self, batch: ScheduledBatch) -> tuple:
         """engine_step's arguments after the graph, state and pool, for `batch`: the padded inputs, the sampling
         arrays, the optional vocabulary arrays and the logprobs flag.
@@ -319,7 +324,7 @@ class Engine:
         sampling = SamplingArrays.from_params(
             [s.request.sampling_params for s in rows],
             positions=[s.kv_len for s in rows],
-            seeds=[self._tracked[s.request.request_id].seed for s in rows],
+            seeds=[self._samples[s.request.request_id].seed for s in rows],
             batch_size=num_rows,
         )
         token_counts, prompt_mask, suppress = self._vocab_arrays(batch, num_rows)
@@ -360,7 +365,7 @@ class Engine:
                     suppress[row, stop_ids] = True
         return token_counts, prompt_mask, suppress
 
-    def _append_text(self, tracked: _Tracked, token_id: int) -> None:
+    def _append_text(self, tracked: SampleState, token_id: int) -> None:
         """Stream the token's text and end the request at the first stop string (which is cut off)."""
         request = tracked.request
         params = request.sampling_params
@@ -384,23 +389,3 @@ class Engine:
                 else:
                     self.scheduler.finish(request, "stop")
                 break
-
-    def _output(self, tracked: _Tracked) -> RequestOutput:
-        request = tracked.request
-        completion = CompletionOutput(
-            index=0,
-            text=tracked.text,
-            token_ids=list(request.output_token_ids),
-            finish_reason=request.finish_reason,
-            logprobs=list(tracked.logprobs) if request.sampling_params.logprobs is not None else None,
-            cumulative_logprob=tracked.cumulative_logprob if request.sampling_params.logprobs is not None else None,
-            stop_reason=tracked.stop_reason,
-        )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=tracked.prompt,
-            prompt_token_ids=list(request.prompt_token_ids),
-            outputs=[completion],
-            finished=request.is_finished,
-            metrics=tracked.metrics,
-        )

@@ -41,6 +41,11 @@ class Request:
     cache_salt: str | None = None
     # Leading pages of block_table already offered to the prefix cache (matched there or inserted).
     num_cached_pages: int = 0
+    # Parallel sampling (n > 1): the request computes its prompt but the last token, then forks into
+    # n samples sharing those pages; sample i > 0 is a sibling request "{parent}#{i}".
+    fork_pending: bool = False
+    parent_request_id: str | None = None
+    sample_index: int = 0
 
     def __post_init__(self):
         """Copy the prompt into a list of ints so callers' lists are never shared."""
@@ -68,8 +73,14 @@ class Request:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        """The number of tokens whose KV is not yet in the pages: the rest of the prompt, or 1 when decoding."""
-        return self.num_tokens - self.num_computed_tokens
+        """The tokens to compute now: the rest of the prompt (but its last token while a fork is pending), or 1
+        when decoding."""
+        return self.num_tokens - int(self.fork_pending) - self.num_computed_tokens
+
+    @property
+    def group_id(self) -> str:
+        """The id the caller gave: the parent's for every sample of a parallel-sampling request."""
+        return self.parent_request_id or self.request_id
 
     @property
     def is_finished(self) -> bool:

@@ -39,6 +39,9 @@ class ScheduledBatch:
     num_batched_tokens: int
     # Requests preempted by recompute while building this batch, newest first.
     preempted_request_ids: list[str]
+    # (source, destination) pages to copy on the device before the step: copy-on-write of a shared partial
+    # page that a sample is about to write into.
+    page_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -102,6 +105,9 @@ class Scheduler:
         self.num_prefix_hit_tokens = 0
         self._num_arrivals = 0
         self._unfinished: dict[str, Request] = {}
+        # Sibling samples created by forks since the engine last took them (take_forked).
+        self._forked: list[Request] = []
+        self._page_copies: list[tuple[int, int]] = []
 
     @property
     def num_waiting(self) -> int:
@@ -146,6 +152,13 @@ class Scheduler:
                 f"({num_prompt_tokens} prompt tokens + max_tokens {max_tokens}) but the pool has only "
                 f"{self.allocator.num_total_pages}; raise num_pages, or shorten the prompt or lower max_tokens"
             )
+        num_samples = request.sampling_params.n
+        if num_samples > self.max_num_seqs:
+            raise ValueError(
+                f"request {request.request_id!r} asks for n={num_samples} samples but at most max_num_seqs="
+                f"{self.max_num_seqs} sequences run at once; lower n or raise max_num_seqs"
+            )
+        request.fork_pending = num_samples > 1
         request.arrival_index = self._num_arrivals
         self._num_arrivals += 1
         self._unfinished[request.request_id] = request
@@ -156,6 +169,7 @@ class Scheduler:
         token_budget = self.max_num_batched_tokens
         sequences: list[ScheduledSequence] = []
         preempted: list[str] = []
+        self._page_copies = []
 
         # Running requests, oldest first: each continues its prefill or decodes one token.
         index = 0
@@ -182,12 +196,17 @@ class Scheduler:
 
         # Waiting requests in FIFO order; the first that does not fit blocks the rest, so none overtakes another.
         # After a preemption the pool is tight: admitting now would only start a request to preempt it again.
-        while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        while self.waiting and token_budget > 0 and not preempted:
             request = self.waiting[0]
+            if self._num_seats_taken() + self._num_seats(request) > self.max_num_seqs:
+                break
             num_matched_tokens = self._match_prefix(request)
+            fork_now = self._fork_ready(request)
+            request.fork_pending = request.fork_pending and not fork_now
             num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
             if not self._ensure_pages(request, num_new_tokens):
                 self._free_pages(request)  # give back the matched pages; the match is retried next step
+                request.fork_pending = request.fork_pending or fork_now
                 break
             if self.prefix_trie is not None and request.num_preemptions == 0:
                 self.num_prefix_query_tokens += request.num_prompt_tokens
@@ -195,13 +214,23 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if fork_now:
+                self._fork(request)  # the siblings compute the last prompt token next step
             sequences.append(self._grow(request, num_new_tokens))
             token_budget -= num_new_tokens
 
         num_batched_tokens = self.max_num_batched_tokens - token_budget
         return ScheduledBatch(
-            sequences=sequences, num_batched_tokens=num_batched_tokens, preempted_request_ids=preempted
+            sequences=sequences,
+            num_batched_tokens=num_batched_tokens,
+            preempted_request_ids=preempted,
+            page_copies=self._page_copies,
         )
+
+    def take_forked(self) -> list[Request]:
+        """The sibling samples created by forks since the last call (the engine starts tracking them)."""
+        forked, self._forked = self._forked, []
+        return forked
 
     def update(self, batch: ScheduledBatch, sampled_tokens: Mapping[str, int]) -> list[Request]:
         """Records a finished step: advances each sequence, appends sampled tokens, finishes and frees requests.
@@ -221,6 +250,9 @@ class Scheduler:
                 continue  # Aborted (or preempted by a later schedule) since this batch was built.
             request.num_computed_tokens += sequence.num_new_tokens
             self._cache_full_pages(request)
+            if self._fork_ready(request):
+                request.fork_pending = False
+                self._fork(request)
             if not sequence.completes_prompt:
                 continue
             if request.request_id not in sampled_tokens:
@@ -293,10 +325,58 @@ class Scheduler:
         num_pages = Request.num_pages_needed(self.page_size, request.num_computed_tokens + num_new_tokens)
         return max(num_pages - len(request.block_table), 0)
 
+    def _num_seats(self, request: Request) -> int:
+        """Sequence rows a request will take: n while its fork is pending, else 1."""
+        return request.sampling_params.n if request.fork_pending else 1
+
+    def _num_seats_taken(self) -> int:
+        """Rows the running requests take, counting the siblings pending forks will add."""
+        return sum(self._num_seats(request) for request in self.running)
+
+    def _fork_ready(self, request: Request) -> bool:
+        """Whether a request with a pending fork has computed all its prompt but the last token."""
+        return request.fork_pending and request.num_computed_tokens == request.num_prompt_tokens - 1
+
+    def _fork(self, request: Request) -> None:
+        """Start samples 1..n-1 of a running request, sharing its pages (incref), right after it in running."""
+        siblings = []
+        for index in range(1, request.sampling_params.n):
+            sibling = Request(
+                f"{request.request_id}#{index}",
+                request.prompt_token_ids,
+                request.sampling_params,
+                status=RequestStatus.RUNNING,
+                block_table=list(request.block_table),
+                num_computed_tokens=request.num_computed_tokens,
+                arrival_index=request.arrival_index,
+                arrival_time=request.arrival_time,
+                cache_salt=request.cache_salt,
+                num_cached_pages=request.num_cached_pages,
+                parent_request_id=request.request_id,
+                sample_index=index,
+            )
+            self.allocator.incref(sibling.block_table)
+            self._unfinished[sibling.request_id] = sibling
+            siblings.append(sibling)
+        position = self.running.index(request) + 1
+        self.running[position:position] = siblings
+        self._forked.extend(siblings)
+
+    def _shared_write_page(self, request: Request) -> int | None:
+        """The block-table index of a partially filled page the request will write next and shares, if any."""
+        start = request.num_computed_tokens
+        index = start // self.page_size
+        if start % self.page_size and index < len(request.block_table):
+            if self.allocator.ref_count(request.block_table[index]) > 1:
+                return index
+        return None
+
     def _ensure_pages(self, request: Request, num_new_tokens: int) -> bool:
-        """Whether the pool has the pages a request lacks for `num_new_tokens` more tokens, evicting idle cached
-        pages (least recently used first) only when the free list alone falls short."""
+        """Whether the pool has the pages a request lacks for `num_new_tokens` more tokens (and a copy of a shared
+        page it writes into), evicting idle cached pages, least recently used first, only when the free list
+        alone falls short."""
         num_pages = self._num_new_pages(request, num_new_tokens)
+        num_pages += self._shared_write_page(request) is not None
         if self.allocator.can_allocate(num_pages):
             return True
         if self.prefix_trie is not None:
@@ -340,6 +420,13 @@ class Scheduler:
 
     def _grow(self, request: Request, num_new_tokens: int) -> ScheduledSequence:
         """Allocates the pages for a request's next `num_new_tokens` tokens and describes them as one sequence."""
+        shared = self._shared_write_page(request)
+        if shared is not None:  # copy on write: the sample takes its own copy of the partial page
+            source = request.block_table[shared]
+            (copy,) = self.allocator.allocate(1)
+            self._page_copies.append((source, copy))
+            request.block_table[shared] = copy
+            self.allocator.free([source])
         request.block_table.extend(self.allocator.allocate(self._num_new_pages(request, num_new_tokens)))
         start = request.num_computed_tokens
         positions = list(range(start, start + num_new_tokens))

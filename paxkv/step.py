@@ -94,3 +94,26 @@ def engine_step(
 def num_step_compilations() -> int:
     """How many distinct programs engine_step has compiled in this process."""
     return engine_step._cache_size()
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def copy_pages(kv_caches, sources: jax.Array, destinations: jax.Array):
+    """Copy whole pages within every layer's pool (copy-on-write of shared pages); the pool is donated.
+
+    Args:
+      kv_caches: per-layer page pools (any pytree whose leaves have the page on axis 0, FP8 scales included).
+      sources, destinations: i32[C] page pairs; padding pairs copy the null page onto itself.
+    """
+    return jax.tree.map(lambda pool: pool.at[destinations].set(pool[sources]), kv_caches)
+
+
+def page_copy_arrays(page_copies: list[tuple[int, int]]) -> tuple[jax.Array, jax.Array]:
+    """(sources, destinations) padded to a power of two with null-page pairs, so copy_pages compiles rarely.
+
+    Args:
+      page_copies: (source, destination) pairs with distinct destinations.
+    """
+    size = 1 << max(0, (len(page_copies) - 1).bit_length())
+    pairs = list(page_copies) + [(0, 0)] * (size - len(page_copies))
+    sources, destinations = zip(*pairs, strict=True)
+    return jnp.asarray(sources, jnp.int32), jnp.asarray(destinations, jnp.int32)

@@ -140,8 +140,12 @@ def test_a_pool_without_one_page_per_sequence_is_refused(tiny):
 def test_malformed_requests_name_the_problem(tiny):
     _, loaded = tiny
     engine = Engine(loaded, EngineConfig(num_pages=32, max_num_seqs=4))
-    with pytest.raises(ValueError, match="parallel sampling is not supported"):
-        engine.add_request("n", [1, 2], SamplingParams(n=2))
+    with pytest.raises(ValueError, match="n=5 samples but at most max_num_seqs=4"):
+        engine.add_request("n", [1, 2], SamplingParams(n=5))
+    with pytest.raises(ValueError, match="contains '#'"):
+        engine.add_request("a#1", [1, 2])
+    with pytest.raises(ValueError, match="cache_salt must be a string"):
+        engine.add_request("salt", [1, 2], cache_salt=3)
     with pytest.raises(ValueError, match="must be a SamplingParams"):
         engine.add_request("d", [1, 2], {"temperature": 0})
     with pytest.raises(ValueError, match="list of ints"):
