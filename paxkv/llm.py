@@ -43,7 +43,9 @@ class LLM:
         Every prompt is checked before any runs, so a bad one fails the call without side effects.
 
         Args:
-          prompts: a str, a list of str, or a list of token-id lists.
+          prompts: a str, or a list of str, token-id lists, or dicts as vLLM's prompt dicts:
+            {"prompt": str} or {"prompt_token_ids": [...]}, with an optional "cache_salt" (requests with
+            different salts never share cached KV pages).
           sampling_params: one SamplingParams for all prompts, or one per prompt; default SamplingParams().
           use_tqdm: show a progress bar on stderr.
         """
@@ -69,7 +71,7 @@ class LLM:
         conversations = messages_or_conversations
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        requests = [encode_chat(self.loaded.tokenizer, messages) for messages in conversations]
+        requests = [(*encode_chat(self.loaded.tokenizer, messages), None) for messages in conversations]
         return self._run(requests, self._broadcast(sampling_params, requests), use_tqdm)
 
     def _broadcast(self, sampling_params, prompts) -> list[SamplingParams]:
@@ -78,23 +80,34 @@ class LLM:
             return [sampling_params or SamplingParams()] * len(prompts)
         return list(sampling_params)
 
-    def _tokenize(self, index: int, prompt) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids) for a string or a token-id list."""
+    def _tokenize(self, index: int, prompt) -> tuple[str | None, list[int], str | None]:
+        """(prompt text or None, token ids, cache salt) for a string, a token-id list or a prompt dict."""
+        cache_salt = None
+        if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"})
+            given = [key for key in ("prompt", "prompt_token_ids") if key in prompt]
+            if unknown or len(given) != 1:
+                raise ValueError(
+                    f"prompt {index} is a dict with keys {sorted(prompt)}; give exactly one of 'prompt' or "
+                    "'prompt_token_ids', and optionally 'cache_salt'"
+                )
+            cache_salt = prompt.get("cache_salt")
+            prompt = prompt[given[0]]
         try:
             token_ids = encode_prompt(self.loaded.tokenizer, prompt)
         except (TypeError, ValueError) as e:
             if isinstance(prompt, str):
                 raise
             raise ValueError(f"prompt {index} is neither a string nor a list of token ids: {prompt!r:.80}") from e
-        return (prompt if isinstance(prompt, str) else None), token_ids
+        return (prompt if isinstance(prompt, str) else None), token_ids, cache_salt
 
     def _run(self, requests, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         """Add every request (all or none), step until all finish, return outputs in order."""
         ids = [f"llm-{next(self._request_ids)}" for _ in requests]
         added = []
         try:
-            for request_id, (prompt, token_ids), params in zip(ids, requests, sampling_params, strict=True):
-                self.engine.add_request(request_id, token_ids, params, prompt=prompt)
+            for request_id, (prompt, token_ids, salt), params in zip(ids, requests, sampling_params, strict=True):
+                self.engine.add_request(request_id, token_ids, params, prompt=prompt, cache_salt=salt)
                 added.append(request_id)
         except ValueError:
             for request_id in added:  # a bad prompt fails the call before anything ran

@@ -139,6 +139,17 @@ def result_record(line_number: int | None, request_id: str, output=None, error: 
         num_generated_tokens=len(completion.token_ids),
         metrics=output.metrics.as_dict(),
     )
+    if len(output.outputs) > 1:  # n > 1: every sample; the top-level fields repeat sample 0's
+        record["completions"] = [
+            {
+                "index": sample.index,
+                "text": sample.text,
+                "token_ids": sample.token_ids,
+                "finish_reason": sample.finish_reason,
+                "stop_reason": sample.stop_reason,
+            }
+            for sample in output.outputs
+        ]
     if completion.logprobs is not None:
         record["cumulative_logprob"] = completion.cumulative_logprob
         record["logprobs"] = [

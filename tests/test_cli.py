@@ -93,3 +93,36 @@ def test_no_prompt_is_a_usage_error():
     result = _run_cli(timeout=120)
     assert result.returncode != 0
     assert "give --prompt" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_prefix_caching_on_and_off_agree_and_are_summarized(tmp_path):
+    system = "You are a careful assistant who answers in one short sentence. " * 6
+    lines = [
+        {"id": f"q{i}", "prompt": system + question, "max_tokens": 8}
+        for i, question in enumerate(["Name a color.", "Name a fruit.", "Name a city."])
+    ]
+    lines.append({"id": "salted", "prompt": system + "Name a fruit.", "max_tokens": 8, "cache_salt": "other"})
+    lines.append({"id": "samples", "prompt": "The weather today is", "max_tokens": 6, "n": 2, "seed": 1})
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    runs = {}
+    for label, extra in (("on", []), ("off", ["--no_prefix_caching"])):
+        output, metrics = tmp_path / f"{label}.jsonl", tmp_path / f"{label}.json"
+        result = _run_cli(
+            f"--prompts_file={prompts}",
+            f"--output={output}",
+            f"--metrics_json={metrics}",
+            "--temperature=0",
+            "--num_pages=64",
+            "--max_num_batched_tokens=64",
+            *extra,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "# prefix cache:" in result.stderr
+        records = {r["id"]: r for r in map(json.loads, output.read_text().splitlines())}
+        runs[label] = (records, json.loads(metrics.read_text())["summary"])
+    (on, on_summary), (off, off_summary) = runs["on"], runs["off"]
+    assert {k: r["token_ids"] for k, r in on.items()} == {k: r["token_ids"] for k, r in off.items()}
+    assert on_summary["prefix_hit_tokens"] > 0 and on_summary["prefix_hit_percent"] > 0
+    assert off_summary["prefix_hit_tokens"] == 0 and off_summary["kv_pages_cached_idle"] == 0
+    assert [c["index"] for c in on["samples"]["completions"]] == [0, 1]

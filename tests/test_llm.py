@@ -55,7 +55,8 @@ def test_bad_prompt_fails_the_call_and_leaves_the_engine_clean(llm):
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
         llm.generate(["x"], [GREEDY, GREEDY], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.allocator.num_used_pages == 0
+    # Only the prefix cache still holds pages (earlier prompts' full pages), none of them in use.
+    assert llm.engine.allocator.num_used_pages == llm.engine.prefix_trie.num_idle_pages()
     # "fine" was admitted, then withdrawn with the call: it leaves no trace in the metrics.
     assert llm.engine.metrics.num_requests == requests_before
     assert llm.engine.metrics.num_aborted_requests == aborted_before
@@ -90,3 +91,20 @@ def test_batch_runner_admits_all_or_nothing_unless_skipping(llm):
     records, _ = run_lines(llm.engine, [good, too_long], skip_bad_lines=True)
     assert records[0]["id"] == "good" and len(records[0]["token_ids"]) == 16
     assert records[1]["id"] == "long" and "max_model_len" in records[1]["error"]
+
+
+def test_parallel_samples_and_prompt_dicts(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=8, n=3)
+    (salted, by_ids) = llm.generate(
+        [{"prompt": "Once upon a time", "cache_salt": "tenant-1"}, {"prompt_token_ids": [504, 3180, 314]}],
+        params,
+        use_tqdm=False,
+    )
+    assert [c.index for c in salted.outputs] == [0, 1, 2] and salted.prompt == "Once upon a time"
+    assert all(len(c.token_ids) == 8 for c in salted.outputs)
+    assert len({tuple(c.token_ids) for c in salted.outputs}) > 1  # seeds 3, 4, 5 sample differently
+    assert by_ids.prompt_token_ids == [504, 3180, 314] and len(by_ids.outputs) == 3
+    (again,) = llm.generate([{"prompt": "Once upon a time", "cache_salt": "tenant-1"}], params, use_tqdm=False)
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in salted.outputs]  # seeded: reproducible
+    with pytest.raises(ValueError, match="exactly one of 'prompt' or 'prompt_token_ids'"):
+        llm.generate([{"text": "hi"}], GREEDY, use_tqdm=False)
