@@ -201,6 +201,11 @@ class Scheduler:
             if self._num_seats_taken() + self._num_seats(request) > self.max_num_seqs:
                 break
             num_matched_tokens = self._match_prefix(request)
+            if self._next_page_in_flight(request):
+                # A running request is computing this request's next page right now: wait a step and share it
+                # from the cache instead of computing a duplicate (FIFO: the requests behind wait too).
+                self._free_pages(request)
+                break
             fork_now = self._fork_ready(request)
             request.fork_pending = request.fork_pending and not fork_now
             num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
@@ -393,6 +398,22 @@ class Scheduler:
         request.num_cached_pages = len(pages)
         request.num_computed_tokens = len(pages) * self.page_size
         return request.num_computed_tokens
+
+    def _next_page_in_flight(self, request: Request) -> bool:
+        """Whether a running request with the same salt will fill, but has not yet filled, the full page this
+        request would compute next (past its cached pages), with the same tokens up to that page's end."""
+        if self.prefix_trie is None:
+            return False
+        page_end = (len(request.block_table) + 1) * self.page_size
+        if page_end > request.num_tokens - 1:  # the next page would hold the last token: never matched anyway
+            return False
+        prefix = request.all_token_ids[:page_end]
+        for other in self.running:
+            if other.cache_salt != request.cache_salt or other.num_computed_tokens >= page_end:
+                continue
+            if other.num_tokens >= page_end and other.all_token_ids[:page_end] == prefix:
+                return True
+        return False
 
     def _cache_full_pages(self, request: Request) -> None:
         """Offer the prefix cache the request's pages that its computed tokens have filled since last time."""

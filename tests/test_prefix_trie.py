@@ -267,3 +267,24 @@ def test_fork_copies_the_shared_partial_page_for_every_sample_but_the_last(promp
     assert len(copies) == (2 if shared_partial else 0)
     assert [s.request_id for s in samples] == ["p", "p#1", "p#2"]
     assert len({tuple(s.output_token_ids) for s in samples}) == 3
+
+
+def test_a_request_waits_a_step_for_a_prefix_page_being_computed():
+    """Two prompts sharing 5 pages arrive together: the second waits for the first's pages instead of duplicating."""
+    allocator = PageAllocator(32)
+    trie = PrefixTrie(allocator, PAGE_SIZE)
+    scheduler = Scheduler(
+        allocator, page_size=PAGE_SIZE, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32, prefix_trie=trie
+    )
+    first, second = (
+        Request(name, [5] * 20 + [last], SamplingParams(max_tokens=2)) for name, last in (("a", 1), ("b", 2))
+    )
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    model = ContentModel()
+    batch = scheduler.schedule()
+    assert [s.request.request_id for s in batch.sequences] == ["a"]  # b waits: a is computing its pages
+    scheduler.update(batch, model.step(batch))
+    batch = scheduler.schedule()
+    assert [(s.request.request_id, s.positions[0]) for s in batch.sequences] == [("a", 21), ("b", 20)]
+    assert scheduler.num_prefix_hit_tokens == 20 and second.block_table[:5] == first.block_table[:5]
