@@ -174,7 +174,7 @@ def paged_attention_gpu(
     """
     scales = None
     if isinstance(kv_pages, QuantizedKVPages):
-        kv_pages, scales = kv_pages.pages, kv_pages.scales
+        kv_pages, scales = kv_pages.fp8_pages(), kv_pages.scales
     layout = kernel_layout(
         q,
         kv_pages,

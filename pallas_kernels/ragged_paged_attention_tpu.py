@@ -244,7 +244,7 @@ def ragged_paged_attention_tpu(
     """
     scales = None
     if isinstance(kv_pages, QuantizedKVPages):
-        kv_pages, scales = kv_pages.pages, kv_pages.scales
+        kv_pages, scales = kv_pages.fp8_pages(), kv_pages.scales
     layout = kernel_layout(
         q,
         kv_pages,

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.quantization import QuantizedKVPages, dequantize_pages, quantize_per_row
+from pallas_kernels.quantization import QuantizedKVPages, quantize_per_row
 
 # Letters in einsum strings:
 #   T new tokens, K kv heads, G query heads per kv head, D head_dim, P tokens in one page.
@@ -36,10 +36,11 @@ def write_kv_reference(
     kv = jnp.stack([k, v], axis=2).reshape(num_tokens, two_k, head_dim)
     if isinstance(kv_pages, QuantizedKVPages):
         quantized, scales = quantize_per_row(kv, kv_pages.dtype)  # [T, 2K, D], f32[T, 2K]
-        pages = _scatter_tokens(kv_pages.pages, quantized, slots)
+        bits = jax.lax.bitcast_convert_type(quantized, jnp.uint8)
+        pages = _scatter_tokens(kv_pages.pages, bits, slots)
         # Scales are [num_pages, 2K, page_size]: token t of page p is column t.
         new_scales = kv_pages.scales.at[slots // page_size, :, slots % page_size].set(scales)
-        return QuantizedKVPages(pages=pages, scales=new_scales)
+        return QuantizedKVPages(pages=pages, scales=new_scales, fp8_dtype=kv_pages.fp8_dtype)
     return _scatter_tokens(kv_pages, kv.astype(kv_pages.dtype), slots)
 
 
@@ -48,6 +49,13 @@ def _scatter_tokens(pages: jax.Array, kv: jax.Array, slots: jax.Array) -> jax.Ar
     num_pages, page_size, two_k, head_dim = pages.shape
     flat = pages.reshape(num_pages * page_size, two_k, head_dim)
     return flat.at[slots].set(kv).reshape(pages.shape)
+
+
+def _gather_pages(kv_pages: jax.Array | QuantizedKVPages, page_ids: jax.Array) -> jax.Array:
+    """f32 K/V of the given pages: [*page_ids.shape, page_size, 2K, D], dequantized for FP8 pools."""
+    if isinstance(kv_pages, QuantizedKVPages):
+        return kv_pages.gather(page_ids)
+    return kv_pages[page_ids].astype(jnp.float32)
 
 
 def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
@@ -111,15 +119,13 @@ def ragged_paged_attention_reference(
     Args:
       q: queries of the new tokens, already rotated.
       kv_pages: one layer's page pool, K and V interleaved on the head axis; FP8 pools
-        (QuantizedKVPages) are dequantized whole first, which suits a reference, not a fast path.
+        (QuantizedKVPages) are dequantized block by block as they are read.
       metadata: the ragged batch layout (see AttentionMetadata).
       sm_scale: multiplier applied to q.k, usually head_dim ** -0.5.
       sliding_window: if set, a token sees only the last `sliding_window` positions.
       soft_cap: if set, scores become soft_cap * tanh(scores / soft_cap).
       kv_read: auto (= per_block) | per_token | per_sequence | per_block.
     """
-    if isinstance(kv_pages, QuantizedKVPages):
-        kv_pages = dequantize_pages(kv_pages)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_pages.shape[2] // 2
     if num_q_heads % num_kv_heads:
@@ -193,7 +199,7 @@ def _attend_per_token(q, kv_pages, block_tables, tokens, sliding_window, soft_ca
 
     def attend_block(step, carry):
         page_ids = jax.lax.dynamic_slice_in_dim(token_block_tables, step * pages_per_block, pages_per_block, 1)
-        block = kv_pages[page_ids].astype(jnp.float32).reshape(num_tokens, block_size, num_kv_heads, 2, head_dim)
+        block = _gather_pages(kv_pages, page_ids).reshape(num_tokens, block_size, num_kv_heads, 2, head_dim)
         # [T, K, B, D] each: (token, kv head) lead, so both products are plain batched matmuls.
         keys = block[:, :, :, 0].transpose(0, 2, 1, 3)
         values = block[:, :, :, 1].transpose(0, 2, 1, 3)
@@ -257,7 +263,7 @@ def _attend_rows_of_block(q_heads, kv_pages, block_tables, pages_per_block, bloc
 
         def attend_kv_block(step, carry):
             page_ids = jax.lax.dynamic_slice_in_dim(row_pages, step * pages_per_block, pages_per_block)
-            block = kv_pages[page_ids].astype(jnp.float32)  # [pages_per_block, P, 2K, D]
+            block = _gather_pages(kv_pages, page_ids)  # [pages_per_block, P, 2K, D]
             block = block.reshape(block_size, num_kv_heads, 2, head_dim)
             kv_positions = step * block_size + jnp.arange(block_size)
             keys = block[:, :, 0].transpose(1, 2, 0)  # [K, D, B]
@@ -346,7 +352,7 @@ def _attend_per_sequence(q, kv_pages, block_tables, kv_lens, tokens, sliding_win
 
         def attend_kv_block(step, carry):
             page_ids = jax.lax.dynamic_slice_in_dim(block_tables, step * pages_per_block, pages_per_block, 1)
-            block = kv_pages[page_ids].astype(jnp.float32)  # [S, pages_per_block, P, 2K, D]
+            block = _gather_pages(kv_pages, page_ids)  # [S, pages_per_block, P, 2K, D]
             block = block.reshape(num_rows * block_size, num_kv_heads, 2, head_dim)
             keys = block[:, :, 0].transpose(1, 2, 0)  # [K, D, S * B]
             values = block[:, :, 1].transpose(1, 0, 2)  # [K, S * B, D]

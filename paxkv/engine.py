@@ -4,14 +4,15 @@ import logging
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import models
 from paxkv.config import EngineConfig
+from paxkv.kv_cache import allocate_pool, kv_bytes_per_token, kv_storage_dtype
 from paxkv.metrics import EngineMetrics
 from paxkv.outputs import RequestMetrics, RequestOutput
 from paxkv.page_allocator import PageAllocator
+from paxkv.preemption import PreemptionPolicy
 from paxkv.prefix_trie import PrefixTrie
 from paxkv.request import Request
 from paxkv.sampler import SamplingArrays
@@ -19,6 +20,7 @@ from paxkv.sampling_params import SamplingParams
 from paxkv.scheduler import ScheduledBatch, Scheduler
 from paxkv.step import SampledTokens, copy_pages, engine_step, num_step_compilations, page_copy_arrays, static_graph
 from paxkv.step_inputs import StepInputs, num_buckets
+from paxkv.swap import HostSwapSpace
 from paxkv.tracking import RequestGroup, SampleState, append_logprobs
 
 logger = logging.getLogger(__name__)
@@ -43,9 +45,9 @@ class Engine:
                 f"max_model_len={self.max_model_len} exceeds the model's context of "
                 f"{model_config.max_position_embeddings}; lower max_model_len"
             )
-        kv_dtype = self._kv_dtype(loaded, config.kv_cache_dtype)
-        bytes_per_token = (
-            2 * model_config.num_kv_heads * model_config.head_dim * kv_dtype.itemsize * model_config.num_layers
+        kv_dtype = kv_storage_dtype(config.kv_cache_dtype, jax.tree.leaves(loaded.state)[0].dtype)
+        bytes_per_token = kv_bytes_per_token(
+            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, kv_dtype
         )
         num_pages = config.num_pages or config.kv_cache_memory_bytes // (bytes_per_token * config.page_size)
         if num_pages - 1 < config.max_num_seqs:
@@ -61,6 +63,23 @@ class Engine:
             )
         self.allocator = PageAllocator(num_pages)
         self.prefix_trie = PrefixTrie(self.allocator, config.page_size) if config.enable_prefix_caching else None
+        try:
+            self.kv_caches = allocate_pool(model_config, num_pages, config.page_size, kv_dtype)
+        except (RuntimeError, MemoryError) as e:  # XLA reports a failed allocation as a RuntimeError
+            gib = num_pages * config.page_size * bytes_per_token / 2**30
+            raise ValueError(
+                f"cannot allocate the KV page pool ({num_pages} pages, {gib:.2f} GiB): {str(e)[:200]}; "
+                "lower kv_cache_memory_bytes or num_pages"
+            ) from None
+        bytes_per_page = bytes_per_token * config.page_size
+        num_host_slots = config.swap_space_bytes // bytes_per_page if config.preemption_mode != "recompute" else 0
+        if config.preemption_mode == "swap" and num_host_slots == 0:
+            raise ValueError(
+                f"preemption_mode='swap' needs a host pool of at least one page ({bytes_per_page} bytes), but "
+                f"swap_space_bytes={config.swap_space_bytes}; raise swap_space_bytes or use 'auto' or 'recompute'"
+            )
+        self.swap_space = HostSwapSpace(self.kv_caches, num_host_slots) if num_host_slots else None
+        self.preemption = PreemptionPolicy(config.preemption_mode, bytes_per_page, num_host_slots)
         self.scheduler = Scheduler(
             self.allocator,
             page_size=config.page_size,
@@ -69,15 +88,10 @@ class Engine:
             max_model_len=self.max_model_len,
             eos_token_ids=loaded.generation_config.eos_token_ids,
             prefix_trie=self.prefix_trie,
+            swap_slots=self.swap_space.slots if self.swap_space is not None else None,
+            preemption=self.preemption,
+            watermark_pages=int(config.watermark * (num_pages - 1)),
         )
-        try:
-            self.kv_caches = models.allocate_kv_caches(model_config, num_pages, config.page_size, kv_dtype)
-        except (RuntimeError, MemoryError) as e:  # XLA reports a failed allocation as a RuntimeError
-            gib = num_pages * config.page_size * bytes_per_token / 2**30
-            raise ValueError(
-                f"cannot allocate the KV page pool ({num_pages} pages, {gib:.2f} GiB): {str(e)[:200]}; "
-                "lower kv_cache_memory_bytes or num_pages"
-            ) from None
         self.pages_per_seq = -(-self.max_model_len // config.page_size)
         self._seed_source = np.random.default_rng(config.seed)
         # Each caller's request by its id, and each of its samples by scheduler request id.
@@ -89,6 +103,7 @@ class Engine:
         self.metrics = EngineMetrics(num_total_pages=num_pages - 1, page_size=config.page_size)
         self.kv_cache_bytes = num_pages * config.page_size * bytes_per_token
         self.kv_bytes_per_token = bytes_per_token
+        self.kv_dtype = kv_dtype
         logger.info(
             "page pool: %d pages of %d tokens (page 0 reserved) = %d tokens of KV, %s, %d bytes per token, %.1f MiB",
             num_pages,
@@ -99,13 +114,6 @@ class Engine:
             self.kv_cache_bytes / 2**20,
         )
 
-    @staticmethod
-    def _kv_dtype(loaded: models.LoadedModel, kv_cache_dtype: str) -> np.dtype:
-        """The pool's storage dtype: the parameters' dtype for "auto", else the named one."""
-        if kv_cache_dtype == "auto":
-            return np.dtype(jax.tree.leaves(loaded.state)[0].dtype)
-        return np.dtype(jnp.dtype(kv_cache_dtype))
-
     def add_request(
         self,
         request_id: str,
@@ -113,6 +121,7 @@ class Engine:
         sampling_params: SamplingParams | None = None,
         prompt: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request; raise ValueError (and change nothing) when it is malformed or can never fit.
 
@@ -122,7 +131,10 @@ class Engine:
           sampling_params: how to sample; SamplingParams() when None.
           prompt: the prompt text, echoed in outputs.
           cache_salt: requests with different salts never share cached KV pages (tenant isolation).
+          priority: lower runs first and is preempted last (as vLLM's); ties go by arrival.
         """
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"request {request_id!r}: priority must be an int, not {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"request {request_id!r}: cache_salt must be a string or None, not {cache_salt!r}")
         sampling_params = sampling_params or SamplingParams()
@@ -151,7 +163,7 @@ class Engine:
                 f"request id {request_id!r} is already in use or contains '#' (reserved for the samples of n > 1); "
                 "give each request a unique id without '#'"
             )
-        request = Request(request_id, prompt_token_ids, sampling_params, cache_salt=cache_salt)
+        request = Request(request_id, prompt_token_ids, sampling_params, cache_salt=cache_salt, priority=priority)
         self.scheduler.add_request(request)
         # Sample i of n draws from seed + i: distinct streams, reproducible from the one seed.
         seed = sampling_params.seed if sampling_params.seed is not None else int(self._seed_source.integers(2**31))
@@ -241,10 +253,12 @@ class Engine:
         for sequence in batch.sequences:
             metrics = self._groups[sequence.request.group_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or start
-        if batch.page_copies:
-            self.kv_caches = copy_pages(self.kv_caches, *page_copy_arrays(batch.page_copies))
+        self._move_pages(batch)
+        step_start = time.monotonic()
         sampled_tokens = self._run(batch)
         tokens = np.asarray(sampled_tokens.tokens)
+        if batch.num_batched_tokens >= self.config.max_num_batched_tokens // 2:  # mostly prefill: a rate to plan by
+            self.preemption.observe_prefill(batch.num_batched_tokens, time.monotonic() - step_start)
         sampled = {}
         for row, sequence in enumerate(batch.sequences):
             if sequence.completes_prompt:
@@ -279,6 +293,8 @@ class Engine:
             outputs.append(group.output())
         self.metrics.num_generated_tokens += len(sampled)
         self.metrics.num_preemptions = self.scheduler.num_preemptions
+        self.metrics.num_preemptions_recompute = self.scheduler.num_preemptions_by_kind["recompute"]
+        self.metrics.num_preemptions_swap = self.scheduler.num_preemptions_by_kind["swap"]
         self.metrics.num_compilations = num_step_compilations()
         self._refresh_pool_gauges(start=start, num_tokens=batch.num_batched_tokens, peak=pages_in_step)
         return outputs
@@ -330,6 +346,24 @@ class Engine:
         token_counts, prompt_mask, suppress = self._vocab_arrays(batch, num_rows)
         with_logprobs = any(s.request.sampling_params.logprobs is not None for s in rows)
         return inputs, sampling, token_counts, prompt_mask, suppress, with_logprobs
+
+    def _move_pages(self, batch: ScheduledBatch) -> None:
+        """Before the step: pages out to the host (preemption by swap), back in (resumption), copies on write."""
+        for moves, direction in ((batch.swap_out, "out"), (batch.swap_in, "in")):
+            if not moves:
+                continue
+            moved, seconds = self.swap_space.bytes_moved, self.swap_space.seconds_moving
+            first, second = (list(column) for column in zip(*moves, strict=True))
+            if direction == "out":
+                self.swap_space.swap_out(self.kv_caches, first, second)
+            else:
+                self.kv_caches = self.swap_space.swap_in(self.kv_caches, first, second)
+            self.preemption.observe_transfer(
+                self.swap_space.bytes_moved - moved, self.swap_space.seconds_moving - seconds
+            )
+            self.metrics.num_pages_swapped += len(moves)
+        if batch.page_copies:
+            self.kv_caches = copy_pages(self.kv_caches, *page_copy_arrays(batch.page_copies))
 
     def _run(self, batch: ScheduledBatch) -> SampledTokens:
         """Run the jitted step on `batch` (the pool is donated and replaced) and return its sampled tokens."""

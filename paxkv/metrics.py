@@ -22,6 +22,9 @@ class EngineMetrics:
     num_computed_tokens: int = 0  # tokens whose KV the steps computed, recomputation after preemption included
     num_steps: int = 0
     num_preemptions: int = 0
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+    num_pages_swapped: int = 0  # pages moved between device and host, either way
     num_compilations: int = 0
     kv_pages_used: int = 0  # pages some request holds (shared pages count once)
     peak_kv_pages_used: int = 0

@@ -55,7 +55,7 @@ class PrefixTrie:
         """Every page the trie holds (for invariant checks)."""
         return [node.page for node in self._nodes()]
 
-    def match(self, token_ids: Sequence[int], salt: str | None = None) -> list[int]:
+    def match(self, token_ids: Sequence[int], salt: str | None = None, touch: bool = True) -> list[int]:
         """The pages of the longest cached run of full pages that prefixes `token_ids`, leaving its last token out.
 
         The last token is never covered, so the caller always computes at least one token and
@@ -65,6 +65,7 @@ class PrefixTrie:
         Args:
           token_ids: a prompt (or prompt plus output, on resume).
           salt: the request's cache salt; only pages inserted with the same salt match.
+          touch: count the matched nodes as just used (False for a look that takes nothing).
         """
         node = self._roots.get(salt)
         pages = []
@@ -76,7 +77,8 @@ class PrefixTrie:
             node = node.children.get(self._chunk(token_ids, index))
             if node is None:
                 break
-            node.last_used = now
+            if touch:
+                node.last_used = now
             pages.append(node.page)
         return pages
 

@@ -46,6 +46,10 @@ class Request:
     fork_pending: bool = False
     parent_request_id: str | None = None
     sample_index: int = 0
+    # Lower values run first and are preempted last (as vLLM's priority); ties go by arrival.
+    priority: int = 0
+    # Host swap slots holding this request's pages while it is preempted by swap (its computed tokens kept).
+    swapped_slots: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         """Copy the prompt into a list of ints so callers' lists are never shared."""

@@ -38,7 +38,12 @@ flags.DEFINE_integer("max_num_seqs", 32, "Most sequences in one step.")
 flags.DEFINE_integer("max_num_batched_tokens", 512, "Most tokens in one step.")
 flags.DEFINE_integer("max_model_len", None, "Longest prompt plus output (default: min(model context, 4096)).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter storage dtype.")
-flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "float32", "bfloat16"], "KV pool dtype; auto is --dtype.")
+flags.DEFINE_enum(
+    "kv_cache_dtype",
+    "auto",
+    ["auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
+    "KV pool dtype; auto is --dtype; fp8 stores a scale per token and KV head.",
+)
 flags.DEFINE_bool("no_prefix_caching", False, "Turn off prefix caching (sharing full prompt pages between requests).")
 flags.DEFINE_enum("attention_impl", "auto", ["auto", "pallas", "interpret", "xla"], "Attention implementation.")
 flags.DEFINE_string(
@@ -192,7 +197,8 @@ def main(argv):
     print(
         f"# model {loaded.source} ({loaded.config.model_type}, {loaded.config.num_layers} layers), loaded in "
         f"{loaded.load_seconds:.1f} s\n# KV pool: {num_pages} pages of {page_size} tokens = {num_pages * page_size} "
-        f"tokens, {engine.kv_bytes_per_token} bytes per token, {engine.kv_cache_bytes / 2**20:.0f} MiB",
+        f"tokens of {engine.kv_dtype.name}, {engine.kv_bytes_per_token} bytes per token (FP8 scales included), "
+        f"{engine.kv_cache_bytes / 2**20:.0f} MiB",
         file=sys.stderr,
     )
     stream = FLAGS.output is None and len(lines) == 1

@@ -1,60 +1,27 @@
 """Continuous batching on the host: chunked prefill and decodes under token and sequence budgets; preemption."""
 
+import bisect
 import collections
-import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 
 from paxkv.page_allocator import PageAllocator
+from paxkv.page_sharing import PageSharing
+from paxkv.preemption import PreemptionPolicy
 from paxkv.prefix_trie import PrefixTrie
 from paxkv.request import Request, RequestStatus
+from paxkv.scheduled_batch import ScheduledBatch, ScheduledSequence
+from paxkv.swap import HostSlotAllocator
 
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class ScheduledSequence:
-    """One sequence's share of a step: the tokens whose KV it computes now, and where that KV goes."""
-
-    request: Request
-    token_ids: list[int]  # [num_new_tokens]
-    positions: list[int]  # [num_new_tokens], contiguous from the request's num_computed_tokens before the step
-    slots: list[int]  # [num_new_tokens], page * page_size + offset
-    block_table: list[int]  # [num_pages], a copy: the pages the sequence reads, covering kv_len tokens
-    kv_len: int  # tokens in the pages after this step: num_computed_tokens + num_new_tokens
-    # Whether this chunk reaches the last known token, so the step samples one token after it (decodes always do).
-    completes_prompt: bool
-
-    @property
-    def num_new_tokens(self) -> int:
-        """The number of tokens computed for this sequence in this step."""
-        return len(self.token_ids)
+def _run_order(request: Request) -> tuple[int, int]:
+    """Running requests go by priority, then arrival: the last one is the first victim."""
+    return request.priority, request.arrival_index
 
 
-@dataclasses.dataclass(frozen=True)
-class ScheduledBatch:
-    """One engine step: sequences in row order (running ones oldest first, then newly admitted ones) and totals."""
-
-    sequences: list[ScheduledSequence]
-    num_batched_tokens: int
-    # Requests preempted by recompute while building this batch, newest first.
-    preempted_request_ids: list[str]
-    # (source, destination) pages to copy on the device before the step: copy-on-write of a shared partial
-    # page that a sample is about to write into.
-    page_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-
-    @property
-    def num_seqs(self) -> int:
-        """The number of sequences in the batch."""
-        return len(self.sequences)
-
-    @property
-    def is_empty(self) -> bool:
-        """Whether nothing was scheduled."""
-        return not self.sequences
-
-
-class Scheduler:
+class Scheduler(PageSharing):
     """FIFO continuous batching: running requests first, then waiting ones, preempting the newest when out of pages."""
 
     def __init__(
@@ -67,6 +34,9 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
         prefix_trie: PrefixTrie | None = None,
+        swap_slots: HostSlotAllocator | None = None,
+        preemption: PreemptionPolicy | None = None,
+        watermark_pages: int = 0,
     ):
         """Creates a scheduler that hands out pages of `allocator`.
 
@@ -78,6 +48,9 @@ class Scheduler:
           max_model_len: the most tokens (prompt plus output) one request may reach.
           eos_token_ids: tokens that stop a request unless its sampling params say ignore_eos.
           prefix_trie: a prefix cache over the same allocator, or None for no caching.
+          swap_slots: the host pool's free list, or None for no swapping.
+          preemption: chooses recompute or swap per victim; None means recompute.
+          watermark_pages: pages admission leaves free (while anything runs), against immediate preemption.
         """
         for name, value in (
             ("page_size", page_size),
@@ -98,7 +71,14 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_preemptions_by_kind = {"recompute": 0, "swap": 0}
         self.prefix_trie = prefix_trie
+        self.swap_slots = swap_slots
+        self.preemption = preemption
+        self.watermark_pages = watermark_pages
+        self._swap_out: list[tuple[int, int]] = []
+        self._swap_in: list[tuple[int, int]] = []
+        self._slots_to_free: list[int] = []
         # Prompt tokens looked up in the prefix cache at first admission, and those found there.
         # Recomputation after a preemption is neither (vllm #25780: it would inflate the hit rate).
         self.num_prefix_query_tokens = 0
@@ -169,7 +149,7 @@ class Scheduler:
         token_budget = self.max_num_batched_tokens
         sequences: list[ScheduledSequence] = []
         preempted: list[str] = []
-        self._page_copies = []
+        self._page_copies, self._swap_out, self._swap_in = [], [], []
 
         # Running requests, oldest first: each continues its prefill or decodes one token.
         index = 0
@@ -200,8 +180,9 @@ class Scheduler:
             request = self.waiting[0]
             if self._num_seats_taken() + self._num_seats(request) > self.max_num_seqs:
                 break
-            num_matched_tokens = self._match_prefix(request)
-            if self._next_page_in_flight(request):
+            swapped = bool(request.swapped_slots)
+            num_matched_tokens = 0 if swapped else self._match_prefix(request)
+            if not swapped and self._next_page_in_flight(request):
                 # A running request is computing this request's next page right now: wait a step and share it
                 # from the cache instead of computing a duplicate (FIFO: the requests behind wait too).
                 self._free_pages(request)
@@ -209,8 +190,10 @@ class Scheduler:
             fork_now = self._fork_ready(request)
             request.fork_pending = request.fork_pending and not fork_now
             num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
-            if not self._ensure_pages(request, num_new_tokens):
-                self._free_pages(request)  # give back the matched pages; the match is retried next step
+            reserve = self.watermark_pages if self.running else 0
+            if not self._ensure_pages(request, num_new_tokens, reserve):
+                if not swapped:
+                    self._free_pages(request)  # give back the matched pages; the match is retried next step
                 request.fork_pending = request.fork_pending or fork_now
                 break
             if self.prefix_trie is not None and request.num_preemptions == 0:
@@ -218,7 +201,9 @@ class Scheduler:
                 self.num_prefix_hit_tokens += num_matched_tokens
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            bisect.insort(self.running, request, key=_run_order)
+            if swapped:
+                self._swap_back_in(request)
             if fork_now:
                 self._fork(request)  # the siblings compute the last prompt token next step
             sequences.append(self._grow(request, num_new_tokens))
@@ -230,6 +215,8 @@ class Scheduler:
             num_batched_tokens=num_batched_tokens,
             preempted_request_ids=preempted,
             page_copies=self._page_copies,
+            swap_out=self._swap_out,
+            swap_in=self._swap_in,
         )
 
     def take_forked(self) -> list[Request]:
@@ -248,6 +235,10 @@ class Scheduler:
         Returns:
           The requests that finished in this step, in batch order.
         """
+        # The step has copied the swapped-in pages to the device: their host slots are free again.
+        if self._slots_to_free:
+            self.swap_slots.free(self._slots_to_free)
+            self._slots_to_free = []
         finished = []
         for sequence in batch.sequences:
             request = sequence.request
@@ -301,26 +292,49 @@ class Scheduler:
         else:
             raise ValueError(f"request {request.request_id!r} has already finished ({request.finish_reason})")
         self._free_pages(request)
+        if request.swapped_slots:
+            self.swap_slots.free(request.swapped_slots)
+            request.swapped_slots = []
         request.status = RequestStatus.FINISHED
         request.finish_reason = finish_reason
         del self._unfinished[request.request_id]
 
     def preempt(self, request: Request) -> None:
-        """Frees a running request's pages and requeues it at the front; its tokens so far are recomputed on resume.
+        """Takes a running request's pages and requeues it at the front, by recompute or by swap.
+
+        Recompute frees the pages; its tokens are computed again on resume (the prefix cache may give some
+        back). Swap copies the pages to host slots (before the next step's writes), frees them, and keeps
+        the computed tokens; on resume they are copied into whatever pages are free then.
 
         Args:
-          request: a running request; the scheduler always picks the newest.
+          request: a running request; the scheduler picks the lowest-priority, newest one.
         """
         self.running.remove(request)
-        self._free_pages(request)
+        kind = "recompute"
+        if self.preemption is not None and self.swap_slots is not None:
+            kind = self.preemption.choose(
+                self._tokens_to_recompute(request), len(request.block_table), self.swap_slots.num_free_slots
+            )
+        num_tokens, num_pages = request.num_computed_tokens, len(request.block_table)
+        if kind == "swap":
+            slots = self.swap_slots.allocate(num_pages)
+            self._swap_out += zip(request.block_table, slots, strict=True)
+            self.allocator.free(request.block_table)
+            request.block_table = []
+            request.swapped_slots = slots
+        else:
+            self._free_pages(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self.num_preemptions_by_kind[kind] += 1
         self.waiting.appendleft(request)
         logger.info(
-            "preempted request %r by recompute (%d tokens to recompute; preemption %d of this request, %d in all)",
+            "preempted request %r by %s (%d computed tokens, %d pages; preemption %d of this request, %d in all)",
             request.request_id,
-            request.num_tokens,
+            kind,
+            num_tokens,
+            num_pages,
             request.num_preemptions,
             self.num_preemptions,
         )
@@ -330,114 +344,17 @@ class Scheduler:
         num_pages = Request.num_pages_needed(self.page_size, request.num_computed_tokens + num_new_tokens)
         return max(num_pages - len(request.block_table), 0)
 
-    def _num_seats(self, request: Request) -> int:
-        """Sequence rows a request will take: n while its fork is pending, else 1."""
-        return request.sampling_params.n if request.fork_pending else 1
-
-    def _num_seats_taken(self) -> int:
-        """Rows the running requests take, counting the siblings pending forks will add."""
-        return sum(self._num_seats(request) for request in self.running)
-
-    def _fork_ready(self, request: Request) -> bool:
-        """Whether a request with a pending fork has computed all its prompt but the last token."""
-        return request.fork_pending and request.num_computed_tokens == request.num_prompt_tokens - 1
-
-    def _fork(self, request: Request) -> None:
-        """Start samples 1..n-1 of a running request, sharing its pages (incref), right after it in running."""
-        siblings = []
-        for index in range(1, request.sampling_params.n):
-            sibling = Request(
-                f"{request.request_id}#{index}",
-                request.prompt_token_ids,
-                request.sampling_params,
-                status=RequestStatus.RUNNING,
-                block_table=list(request.block_table),
-                num_computed_tokens=request.num_computed_tokens,
-                arrival_index=request.arrival_index,
-                arrival_time=request.arrival_time,
-                cache_salt=request.cache_salt,
-                num_cached_pages=request.num_cached_pages,
-                parent_request_id=request.request_id,
-                sample_index=index,
-            )
-            self.allocator.incref(sibling.block_table)
-            self._unfinished[sibling.request_id] = sibling
-            siblings.append(sibling)
-        position = self.running.index(request) + 1
-        self.running[position:position] = siblings
-        self._forked.extend(siblings)
-
-    def _shared_write_page(self, request: Request) -> int | None:
-        """The block-table index of a partially filled page the request will write next and shares, if any."""
-        start = request.num_computed_tokens
-        index = start // self.page_size
-        if start % self.page_size and index < len(request.block_table):
-            if self.allocator.ref_count(request.block_table[index]) > 1:
-                return index
-        return None
-
-    def _ensure_pages(self, request: Request, num_new_tokens: int) -> bool:
+    def _ensure_pages(self, request: Request, num_new_tokens: int, reserve: int = 0) -> bool:
         """Whether the pool has the pages a request lacks for `num_new_tokens` more tokens (and a copy of a shared
-        page it writes into), evicting idle cached pages, least recently used first, only when the free list
-        alone falls short."""
+        page it writes into) with `reserve` pages to spare, evicting idle cached pages, least recently used
+        first, only when the free list alone falls short."""
         num_pages = self._num_new_pages(request, num_new_tokens)
         num_pages += self._shared_write_page(request) is not None
-        if self.allocator.can_allocate(num_pages):
+        if self.allocator.can_allocate(num_pages + reserve):
             return True
         if self.prefix_trie is not None:
-            self.prefix_trie.evict(num_pages - self.allocator.num_free_pages)
-        return self.allocator.can_allocate(num_pages)
-
-    def _match_prefix(self, request: Request) -> int:
-        """Start a request with no pages on its longest cached prefix (shared by incref); return its tokens."""
-        if self.prefix_trie is None or request.block_table:
-            return 0
-        pages = self.prefix_trie.match(request.all_token_ids, request.cache_salt)
-        self.allocator.incref(pages)
-        request.block_table = list(pages)
-        request.num_cached_pages = len(pages)
-        request.num_computed_tokens = len(pages) * self.page_size
-        return request.num_computed_tokens
-
-    def _next_page_in_flight(self, request: Request) -> bool:
-        """Whether a running request with the same salt will fill, but has not yet filled, the full page this
-        request would compute next (past its cached pages), with the same tokens up to that page's end."""
-        if self.prefix_trie is None:
-            return False
-        page_end = (len(request.block_table) + 1) * self.page_size
-        if page_end > request.num_tokens - 1:  # the next page would hold the last token: never matched anyway
-            return False
-        prefix = request.all_token_ids[:page_end]
-        for other in self.running:
-            if other.cache_salt != request.cache_salt or other.num_computed_tokens >= page_end:
-                continue
-            if other.num_tokens >= page_end and other.all_token_ids[:page_end] == prefix:
-                return True
-        return False
-
-    def _cache_full_pages(self, request: Request) -> None:
-        """Offer the prefix cache the request's pages that its computed tokens have filled since last time."""
-        if self.prefix_trie is None:
-            return
-        num_full_pages = request.num_computed_tokens // self.page_size
-        if num_full_pages > request.num_cached_pages:
-            tokens = request.all_token_ids[: num_full_pages * self.page_size]
-            self.prefix_trie.insert(tokens, request.block_table[:num_full_pages], request.cache_salt)
-            request.num_cached_pages = num_full_pages
-
-    def check_page_invariants(self) -> None:
-        """Raises AssertionError unless every page's ref count is its holders: block tables plus the trie."""
-        self.allocator.check_invariants()
-        holders = collections.Counter(page for request in self.running for page in request.block_table)
-        for request in self.waiting:
-            assert not request.block_table, f"waiting request {request.request_id!r} holds pages"
-        cached = self.prefix_trie.cached_pages() if self.prefix_trie is not None else []
-        assert len(cached) == len(set(cached)), "the trie holds a page twice"
-        holders.update(cached)
-        for page in range(1, self.allocator.num_pages):
-            assert self.allocator.ref_count(page) == holders[page], (
-                f"page {page} has ref count {self.allocator.ref_count(page)} but {holders[page]} holders"
-            )
+            self.prefix_trie.evict(num_pages + reserve - self.allocator.num_free_pages)
+        return self.allocator.can_allocate(num_pages + reserve)
 
     def _grow(self, request: Request, num_new_tokens: int) -> ScheduledSequence:
         """Allocates the pages for a request's next `num_new_tokens` tokens and describes them as one sequence."""

@@ -74,7 +74,7 @@ def make_pool(key, num_pages, page_size, num_kv_heads, head_dim, kv_dtype):
     if kv_dtype == "bfloat16":
         return values
     pages, scales = jax.jit(quantize_per_row, static_argnums=1)(values, jnp.dtype(kv_dtype))
-    return QuantizedKVPages(pages=pages, scales=scales.transpose(0, 2, 1))
+    return QuantizedKVPages.from_fp8(pages, scales.transpose(0, 2, 1))
 
 
 def make_batch(kv_lens, q_lens, page_size, num_pages, seed=0) -> AttentionMetadata:

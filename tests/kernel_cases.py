@@ -121,7 +121,7 @@ def make_case(
         quantized, scales = quantize_per_row(jnp.asarray(np.nan_to_num(token_rows)), jnp.dtype(kv_dtype))
         pages = jnp.where(jnp.asarray(used)[..., None, None], quantized, jnp.asarray(np.nan, quantized.dtype))
         scales = jnp.where(jnp.asarray(used)[..., None], scales, jnp.nan).transpose(0, 2, 1)
-        kv_pages = QuantizedKVPages(pages=pages, scales=scales)
+        kv_pages = QuantizedKVPages.from_fp8(pages, scales)
     else:
         kv_pages = jnp.asarray(values, jnp.dtype(kv_dtype))
     return AttentionCase(

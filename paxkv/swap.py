@@ -1,0 +1,122 @@
+"""Swap space: a host (numpy) pool of page slots, and the device<->host page copies of preemption by swap."""
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class HostSlotAllocator:
+    """The host pool's free list: which swap slots hold a swapped-out page. Host-side bookkeeping only."""
+
+    def __init__(self, num_slots: int):
+        """Creates a free list of `num_slots` slots (0 disables swapping).
+
+        Args:
+          num_slots: host page slots.
+        """
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_free_slots(self) -> int:
+        """Slots free now."""
+        return len(self._free)
+
+    def allocate(self, num_slots: int) -> list[int]:
+        """Takes `num_slots` free slots; raises ValueError if there are fewer."""
+        if num_slots > len(self._free):
+            raise ValueError(f"cannot take {num_slots} swap slots: only {len(self._free)} are free")
+        slots = self._free[len(self._free) - num_slots :][::-1]
+        del self._free[len(self._free) - num_slots :]
+        return slots
+
+    def free(self, slots: list[int]) -> None:
+        """Returns slots to the free list."""
+        self._free.extend(slots)
+
+
+def _padded(indices: list[int]) -> tuple[jax.Array, int]:
+    """Indices padded with 0 to a power of two (bounding compilations), and the true count."""
+    size = 1 << max(0, (len(indices) - 1).bit_length())
+    return jnp.asarray(list(indices) + [0] * (size - len(indices)), jnp.int32), len(indices)
+
+
+@jax.jit
+def _gather(kv_caches, pages):
+    return jax.tree.map(lambda pool: pool[pages], kv_caches)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter(kv_caches, pages, values):
+    # Padding entries write page 0, the null page, whose content nobody reads.
+    return jax.tree.map(lambda pool, value: pool.at[pages].set(value), kv_caches, values)
+
+
+class HostSwapSpace:
+    """Host copies of whole pages, one numpy array per leaf of the device pool (FP8 scales included).
+
+    Pages move device -> host when a request is preempted by swap and host -> device, into whatever
+    pages are free then, when it resumes. The copies are bit-exact. Transfer rates are measured on
+    every move, for the preemption cost model.
+    """
+
+    def __init__(self, kv_caches, num_slots: int):
+        """Allocates the host pool (numpy; the OS maps it lazily, so unused slots cost no RAM).
+
+        Args:
+          kv_caches: the device pool (per layer, any pytree whose leaves have the page on axis 0).
+          num_slots: host page slots.
+        """
+        self.slots = HostSlotAllocator(num_slots)
+        leaves = jax.tree.leaves(kv_caches)
+        self._host = [np.empty((num_slots, *leaf.shape[1:]), leaf.dtype) for leaf in leaves]
+        self.bytes_per_page = sum(leaf.dtype.itemsize * int(np.prod(leaf.shape[1:])) for leaf in leaves)
+        self.bytes_moved = 0
+        self.seconds_moving = 0.0
+
+    @property
+    def bytes_per_second(self) -> float | None:
+        """Measured transfer rate over every move so far; None before the first."""
+        return self.bytes_moved / self.seconds_moving if self.seconds_moving > 0 else None
+
+    def swap_out(self, kv_caches, pages: list[int], slots: list[int]) -> None:
+        """Copy device `pages` into host `slots` (the device pool is left as it is).
+
+        Args:
+          kv_caches: the device pool.
+          pages, slots: equal-length lists.
+        """
+        start = time.perf_counter()
+        indices, count = _padded(pages)
+        gathered = jax.device_get(jax.tree.leaves(_gather(kv_caches, indices)))
+        for host, values in zip(self._host, gathered, strict=True):
+            host[slots] = values[:count]
+        self._account(count, start)
+
+    def swap_in(self, kv_caches, slots: list[int], pages: list[int]):
+        """Copy host `slots` into device `pages`; returns the new device pool (the old one is donated).
+
+        Args:
+          kv_caches: the device pool.
+          slots, pages: equal-length lists.
+        """
+        start = time.perf_counter()
+        indices, count = _padded(pages)
+        size = indices.shape[0]
+        values = []
+        for host in self._host:
+            block = np.zeros((size, *host.shape[1:]), host.dtype)
+            block[:count] = host[slots]
+            values.append(block)
+        treedef = jax.tree.structure(kv_caches)
+        kv_caches = _scatter(kv_caches, indices, jax.tree.unflatten(treedef, values))
+        jax.block_until_ready(kv_caches)
+        self._account(count, start)
+        return kv_caches
+
+    def _account(self, num_pages: int, start: float) -> None:
+        self.bytes_moved += num_pages * self.bytes_per_page
+        self.seconds_moving += time.perf_counter() - start
