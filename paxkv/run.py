@@ -45,6 +45,12 @@ flags.DEFINE_enum(
     "KV pool dtype; auto is --dtype; fp8 stores a scale per token and KV head.",
 )
 flags.DEFINE_bool("no_prefix_caching", False, "Turn off prefix caching (sharing full prompt pages between requests).")
+flags.DEFINE_enum(
+    "preemption_mode", "auto", ["auto", "recompute", "swap"], "When pages run out: recompute, swap, or the cheaper."
+)
+flags.DEFINE_string("swap_space", "1GiB", "Host memory for swapped-out pages, e.g. 4GiB; 0 turns swapping off.")
+flags.DEFINE_float("watermark", 0.01, "Fraction of the pool admission keeps free, in [0, 1).")
+flags.DEFINE_bool("plan", False, "Print the KV memory plan for --model (a config.json is enough) and exit.")
 flags.DEFINE_enum("attention_impl", "auto", ["auto", "pallas", "interpret", "xla"], "Attention implementation.")
 flags.DEFINE_string(
     "compilation_cache_dir",
@@ -133,6 +139,9 @@ def _summary(engine, wall_seconds: float, num_failed: int) -> dict:
         "kv_pages_total": metrics.num_total_pages,
         "kv_waste_percent": 100 * metrics.kv_waste_fraction,
         "preemptions": metrics.num_preemptions,
+        "preemptions_recompute": metrics.num_preemptions_recompute,
+        "preemptions_swap": metrics.num_preemptions_swap,
+        "kv_bytes_per_token": engine.kv_bytes_per_token,
         "compilations": metrics.num_compilations,
         "prefix_query_tokens": metrics.prefix_query_tokens,
         "prefix_hit_tokens": metrics.prefix_hit_tokens,
@@ -149,12 +158,41 @@ def _print_summary(summary: dict) -> None:
         f"{summary['wall_seconds']:.1f} s: {summary['generated_tokens_per_s']:.1f} generated tok/s, "
         f"{summary['total_tokens_per_s']:.1f} total tok/s\n"
         f"# KV: peak {summary['peak_kv_pages_used']}/{summary['kv_pages_total']} pages, "
-        f"waste {summary['kv_waste_percent']:.1f}%, {summary['preemptions']} preemptions, "
+        f"waste {summary['kv_waste_percent']:.1f}%, {summary['preemptions']} preemptions "
+        f"({summary['preemptions_recompute']} recompute, {summary['preemptions_swap']} swap), "
         f"{summary['compilations']} step compilations\n"
         f"# prefix cache: {summary['prefix_hit_tokens']}/{summary['prefix_query_tokens']} prompt tokens hit "
         f"({summary['prefix_hit_percent']:.1f}%), {summary['kv_pages_cached_idle']} idle cached pages, "
         f"{summary['prefix_evictions']} evictions",
         file=sys.stderr,
+    )
+
+
+def _print_plan() -> None:
+    """`--plan`: KV capacity for --model from its config alone, for every KV dtype."""
+    from models.errors import CheckpointError
+    from paxkv.planner import format_plan, plan, plan_model_config
+
+    try:
+        config = plan_model_config(FLAGS.model)
+        budget = parse_memory_size(FLAGS.kv_cache_memory)
+    except (CheckpointError, ValueError) as e:
+        sys.exit(f"paxkv: {e}")
+    max_model_len = FLAGS.max_model_len or config.max_position_embeddings
+    rows, num_params = plan(
+        config, kv_cache_memory_bytes=budget, max_model_len=max_model_len, page_size=FLAGS.page_size
+    )
+    chosen = FLAGS.kv_cache_dtype if FLAGS.kv_cache_dtype != "auto" else FLAGS.dtype
+    print(
+        format_plan(
+            config,
+            rows,
+            num_params,
+            max_model_len=max_model_len,
+            page_size=FLAGS.page_size,
+            kv_cache_memory_bytes=budget,
+            chosen=chosen,
+        )
     )
 
 
@@ -164,6 +202,9 @@ def main(argv):
     if not FLAGS["verbosity"].present:
         # Quiet by default: library INFO lines (e.g. JAX probing for a TPU) are noise; --verbosity=0 shows them.
         logging.set_verbosity(logging.WARNING)
+    if FLAGS.plan:
+        _print_plan()
+        return
     lines = _collect_lines(_sampling_defaults())
     try:
         engine_config_kwargs = dict(
@@ -175,6 +216,9 @@ def main(argv):
             max_model_len=FLAGS.max_model_len,
             kv_cache_dtype=FLAGS.kv_cache_dtype,
             enable_prefix_caching=not FLAGS.no_prefix_caching,
+            preemption_mode=FLAGS.preemption_mode,
+            swap_space_bytes=0 if FLAGS.swap_space.strip() == "0" else parse_memory_size(FLAGS.swap_space),
+            watermark=FLAGS.watermark,
         )
         from paxkv.config import EngineConfig
 
