@@ -5,10 +5,6 @@ import os
 import jax
 
 ENV_VAR = "PAXKV_COMPILATION_CACHE_DIR"
-# A size limit turns on JAX's LRU eviction, and with it a file lock around every read and write. Without
-# the lock a process can read an entry another is still writing (xdist workers compile the same
-# programs) and crash deserializing the truncated executable.
-MAX_CACHE_BYTES = 4 << 30
 
 
 def default_cache_dir() -> str:
@@ -20,7 +16,11 @@ def default_cache_dir() -> str:
 
 
 def enable_compilation_cache(cache_dir: str | None = None) -> str:
-    """Point JAX's persistent cache at `cache_dir`, cache every compilation however quick, bounded and locked.
+    """Point JAX's persistent cache at `cache_dir` and cache every compilation, however quick.
+
+    JAX writes entries without a lock or an atomic rename, so processes that compile the same program
+    at the same time into one folder can read each other's half-written entries (and crash
+    deserializing them): give concurrent processes separate folders, as the tests do per xdist worker.
 
     Args:
       cache_dir: the cache folder; default_cache_dir() when None.
@@ -32,5 +32,4 @@ def enable_compilation_cache(cache_dir: str | None = None) -> str:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    jax.config.update("jax_compilation_cache_max_size", MAX_CACHE_BYTES)
     return cache_dir

@@ -1,6 +1,19 @@
-"""KV memory benchmark: how many pages a workload needs, with prefix caching on and off, measured in one run.
+"""KV memory benchmark: prefix caching on and off (`prefix`), and memory pressure (`pressure`), each in one run.
 
     python scripts/bench_memory.py --workload prefix [--users 64] [--out bench_results/bench_memory]
+    python scripts/bench_memory.py --workload pressure [--out bench_results/bench_memory_pressure]
+
+Workload `pressure` (scripts/memory_pressure.py), over 1,000 lognormal sequence lengths (mean 300, capped at
+2,048 = max_model_len) and SmolLM2's KV bytes per token:
+  (a) paged (16-token pages, paxkv's PageAllocator) against contiguous max_model_len slots at one KV budget:
+      KV waste and concurrent sequences;
+  (b) FP8 (e4m3, scales included) against bf16 KV at the same budget: token capacity and concurrency;
+  (c) overload: --overload_requests requests against a pool of 25% of their demand, preempting by recompute,
+      swap and auto, on a seeded random Llama (hidden 256, 4 layers; built with transformers, the test extra);
+  (d) page sizes 4-128: KV waste and block-table entries on (a)'s lengths, and decode tok/s on SmolLM2 at
+      batch 32 on this machine's attention path.
+Plots (with the `bench` extra): concurrency against KV budget (contiguous, paged, paged + FP8), and waste
+and decode throughput against page size.
 
 Workload `prefix` (a chatbot): one system prompt of --system_tokens random token ids shared by --users
 concurrent users, each adding a question of --question_min..--question_max tokens and generating exactly
@@ -28,9 +41,12 @@ import numpy as np
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # memory_pressure, bench_throughput
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("workload", "prefix", ["prefix"], "Which workload to run.")
+flags.DEFINE_enum("workload", "prefix", ["prefix", "pressure"], "Which workload to run.")
+flags.DEFINE_integer("overload_requests", 500, "Requests in the pressure workload's overload part.")
+flags.DEFINE_float("budget_gib", 1.0, "KV budget of the pressure workload's parts (a) and (b), in GiB.")
 flags.DEFINE_string("model", None, "A model for models.load (default: the embedded SmolLM2).")
 flags.DEFINE_integer("users", 64, "Concurrent users.")
 flags.DEFINE_integer("system_tokens", 1000, "Tokens in the shared system prompt.")
@@ -148,6 +164,142 @@ def plot(result: dict, path: str) -> bool:
     return True
 
 
+def pressure(loaded) -> dict:
+    """The four parts of the pressure workload."""
+    import tempfile
+
+    import memory_pressure as mp
+
+    from paxkv.kv_cache import FP8_NAMES, kv_bytes_per_token
+
+    config = loaded.config
+    per_token = {
+        name: kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+        for name, dtype in (("bfloat16", "bfloat16"), ("fp8_e4m3", FP8_NAMES["fp8_e4m3"]))
+    }
+    max_model_len, page_size = 2048, 16
+    lengths = mp.lognormal_lengths(1000, 300, max_model_len, FLAGS.seed)
+    budget = int(FLAGS.budget_gib * 2**30)
+    part_a = mp.paged_vs_contiguous(lengths, budget // per_token["bfloat16"], max_model_len, page_size)
+    fp8_tokens = budget // per_token["fp8_e4m3"]
+    part_b = {
+        "bytes_per_token": per_token,
+        "bf16_tokens": budget // per_token["bfloat16"],
+        "fp8_tokens": fp8_tokens,
+        "fp8_concurrency": mp.paged_fill(lengths, fp8_tokens, page_size),
+        "bf16_concurrency": part_a["paged_concurrency"],
+    }
+    part_b["capacity_ratio"] = part_b["fp8_tokens"] / part_b["bf16_tokens"]
+    part_b["concurrency_ratio"] = part_b["fp8_concurrency"] / part_b["bf16_concurrency"]
+    curve = mp.concurrency_curve(
+        lengths, [int(g * 2**30) for g in (0.25, 0.5, 1, 2, 4, 8)], per_token, max_model_len, page_size
+    )
+    sweep = mp.page_size_waste(lengths)
+    for row in sweep:
+        row["decode_tokens_per_s"] = mp.decode_throughput(loaded, row["page_size"], 32, 128, 24)
+    with tempfile.TemporaryDirectory() as folder:
+        from bench_throughput import _save_random_llama
+
+        import models
+
+        _save_random_llama(folder)
+        overload = mp.overload(models.load(folder, require_tokenizer=False), FLAGS.overload_requests, 0.25, FLAGS.seed)
+    return {
+        "lengths": {"count": len(lengths), "mean": float(lengths.mean()), "max_model_len": max_model_len},
+        "budget_gib": FLAGS.budget_gib,
+        "a": part_a,
+        "b": part_b,
+        "curve": curve,
+        "c": overload,
+        "d": sweep,
+    }
+
+
+def pressure_markdown(result: dict) -> str:
+    """The pressure workload's four tables."""
+    a, b = result["a"], result["b"]
+    lines = [
+        f"Pressure workload on {result['machine']}: {result['lengths']['count']} lognormal lengths, mean "
+        f"{result['lengths']['mean']:.0f}, max_model_len {result['lengths']['max_model_len']}; KV budget "
+        f"{result['budget_gib']} GiB of SmolLM2 KV.",
+        "",
+        "(a) Paged vs contiguous (bf16 KV)",
+        "",
+        "| allocation | KV waste | concurrent sequences |",
+        "|---|---:|---:|",
+        f"| contiguous (max_model_len each) | {100 * a['contiguous_waste']:.1f}% | {a['contiguous_concurrency']} |",
+        f"| paged, 16-token pages | {100 * a['paged_waste']:.2f}% | {a['paged_concurrency']} "
+        f"({a['paged_concurrency'] / max(a['contiguous_concurrency'], 1):.1f}x) |",
+        "",
+        "(b) FP8 vs bf16 at the same budget",
+        "",
+        "| KV | bytes/token | token capacity | concurrent sequences |",
+        "|---|---:|---:|---:|",
+        f"| bf16 | {b['bytes_per_token']['bfloat16']} | {b['bf16_tokens']} | {b['bf16_concurrency']} |",
+        f"| fp8 e4m3 + scales | {b['bytes_per_token']['fp8_e4m3']} | {b['fp8_tokens']} | {b['fp8_concurrency']} |",
+        f"| ratio | | {b['capacity_ratio']:.2f}x | {b['concurrency_ratio']:.2f}x |",
+        "",
+        "(c) Overload: 25% of demand (random Llama, CPU)",
+        "",
+        "| preemption | finished | tok/s | recompute | swap | pages swapped | tokens recomputed |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in result["c"]:
+        lines.append(
+            f"| {row['mode']} | {row['finished']} | {row['generated_tokens_per_s']:.1f} | "
+            f"{row['preemptions_recompute']} | {row['preemptions_swap']} | {row['pages_swapped']} | "
+            f"{row['recomputed_tokens']} |"
+        )
+    lines += [
+        "",
+        "(d) Page size",
+        "",
+        "| page size | KV waste | block-table entries / seq | decode tok/s (batch 32) |",
+        "|---:|---:|---:|---:|",
+    ]
+    for row in result["d"]:
+        lines.append(
+            f"| {row['page_size']} | {100 * row['waste']:.2f}% | {row['block_table_entries']:.1f} | "
+            f"{row['decode_tokens_per_s']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def pressure_plots(result: dict, prefix: str) -> list[str]:
+    """Concurrency against budget, and waste and throughput against page size, if matplotlib is installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    figure, axis = plt.subplots(figsize=(6, 4))
+    budgets = [row["budget_gib"] for row in result["curve"]]
+    for key, label in (("contiguous", "contiguous"), ("paged", "paged bf16"), ("paged_fp8", "paged fp8")):
+        axis.plot(budgets, [row[key] for row in result["curve"]], marker="o", label=label)
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("KV budget (GiB)")
+    axis.set_ylabel("concurrent sequences")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(prefix + "_concurrency.png", dpi=120)
+    plt.close(figure)
+    figure, waste_axis = plt.subplots(figsize=(6, 4))
+    sizes = [row["page_size"] for row in result["d"]]
+    waste_axis.plot(sizes, [100 * row["waste"] for row in result["d"]], marker="o", color="#cc3333")
+    waste_axis.set_xscale("log", base=2)
+    waste_axis.set_xlabel("page size (tokens)")
+    waste_axis.set_ylabel("KV waste (%)", color="#cc3333")
+    speed_axis = waste_axis.twinx()
+    speed_axis.plot(sizes, [row["decode_tokens_per_s"] for row in result["d"]], marker="s", color="#3366cc")
+    speed_axis.set_ylabel("decode tok/s at batch 32", color="#3366cc")
+    figure.tight_layout()
+    figure.savefig(prefix + "_page_size.png", dpi=120)
+    plt.close(figure)
+    return [prefix + "_concurrency.png", prefix + "_page_size.png"]
+
+
 def main(argv):
     del argv
     import jax
@@ -157,6 +309,18 @@ def main(argv):
 
     enable_compilation_cache()
     loaded = models.load(FLAGS.model)
+    machine = f"{platform.machine()} {os.cpu_count()} cpus, jax {jax.__version__} {jax.default_backend()}"
+    if FLAGS.workload == "pressure":
+        result = {"workload": "pressure", "machine": machine, **pressure(loaded)}
+        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+        result["charts"] = pressure_plots(result, FLAGS.out)
+        with open(FLAGS.out + ".json", "w") as f:
+            json.dump(result, f, indent=2)
+        table = pressure_markdown(result)
+        with open(FLAGS.out + ".md", "w") as f:
+            f.write(table)
+        print(table)
+        return
     prompts = prefix_workload(loaded.config.vocab_size)
     off = run_mode(loaded, prompts, caching=False)
     on = run_mode(loaded, prompts, caching=True)

@@ -8,8 +8,11 @@ import pytest
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-from paxkv.compilation_cache import enable_compilation_cache  # noqa: E402
+from paxkv.compilation_cache import ENV_VAR, default_cache_dir, enable_compilation_cache  # noqa: E402
 
+# One cache folder per xdist worker (subprocesses inherit it): JAX's cache has no lock, and two workers
+# compiling the same program into one folder can read each other's half-written entries.
+os.environ[ENV_VAR] = os.path.join(default_cache_dir(), "tests-" + os.environ.get("PYTEST_XDIST_WORKER", "main"))
 enable_compilation_cache()
 
 
