@@ -1,4 +1,4 @@
-"""Test setup: CPU only, 8 fake host devices, a persistent compilation cache folder per worker for subprocesses."""
+"""Test setup: CPU only, 8 fake host devices, a persistent compilation cache folder per worker."""
 
 import os
 
@@ -8,14 +8,14 @@ import pytest
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-from paxkv.compilation_cache import ENV_VAR, default_cache_dir  # noqa: E402
+from paxkv.compilation_cache import ENV_VAR, default_cache_dir, enable_compilation_cache  # noqa: E402
 
-# The CLI runs the tests start (and the compilation-cache test) use JAX's persistent cache, one folder per
-# xdist worker: JAX's cache has no lock, and two workers compiling one program into one folder can read
-# each other's half-written entries. The test processes themselves do not: with every program cached,
-# jaxlib 0.10.2 segfaulted serializing (once) and deserializing (once) one reference-attention program
-# late in full runs, never alone; within one process jit's own cache already reuses what it compiled.
+# JAX's persistent cache, one folder per xdist worker (subprocesses inherit it): JAX's cache has no lock,
+# and two workers compiling one program into one folder can read each other's half-written entries.
+# It matters: every test module loads its own model, whose step programs jit cannot reuse but the
+# persistent cache can.
 os.environ[ENV_VAR] = os.path.join(default_cache_dir(), "tests-" + os.environ.get("PYTEST_XDIST_WORKER", "main"))
+enable_compilation_cache()
 
 
 # The tiny Llama most model tests share: 2 layers, hidden 64, 4 query and 2 KV heads, vocab 256.
