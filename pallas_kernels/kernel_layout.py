@@ -154,3 +154,82 @@ def query_blocks_rows(metadata: AttentionMetadata, layout: KernelLayout) -> tupl
     width = metadata.block_tables.shape[1]
     block_tables = jnp.pad(metadata.block_tables, ((0, 0), (0, layout.pages_per_seq - width)))
     return first_rows, last_rows.astype(jnp.int32), block_tables.astype(jnp.int32)
+
+
+def kv_block_range(q_start, q_end, kv_len, block_first_token, layout: KernelLayout):
+    """KV blocks [start, stop) that a query block's tokens of one sequence can see; (0, 0) if it has none.
+
+    Args:
+      q_start, q_end, kv_len: the sequence's new-token range in the batch and its kv length (scalars).
+      block_first_token: the query block's first batch token.
+    """
+    first_token = jnp.maximum(q_start, block_first_token)
+    end_token = jnp.minimum(q_end, block_first_token + layout.queries_per_block)
+    first_position = kv_len - (q_end - q_start) + (first_token - q_start)
+    last_position = first_position + (end_token - first_token) - 1
+    stop = jnp.where(end_token > first_token, last_position // layout.block_tokens + 1, 0)
+    start = jnp.zeros_like(stop)
+    if layout.sliding_window is not None:
+        start = jnp.clip((first_position - layout.sliding_window + 1) // layout.block_tokens, 0, stop)
+    return start, stop
+
+
+def block_masks(row_tokens, q_start, q_end, kv_len, kv_block, layout: KernelLayout):
+    """(visible [rows, B], in_sequence [1, B]) of one KV block for the tile's rows of one sequence.
+
+    Args:
+      row_tokens: i32[rows, 1] batch token of each tile row.
+      q_start, q_end, kv_len: the sequence's new-token range and its kv length (scalars).
+      kv_block: which KV block of the sequence.
+    """
+    own = (row_tokens >= q_start) & (row_tokens < q_end)  # [rows, 1]
+    query_positions = kv_len - q_end + row_tokens  # [rows, 1]
+    kv_positions = kv_block * layout.block_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, layout.block_tokens), 1)
+    in_sequence = kv_positions < kv_len  # [1, B]
+    visible = own & in_sequence & (kv_positions <= query_positions)  # [rows, B]
+    if layout.sliding_window is not None:
+        visible &= kv_positions > query_positions - layout.sliding_window
+    return visible, in_sequence
+
+
+def fold_kv_block(carry, q, keys, values, key_scales, value_scales, visible, in_sequence, layout: KernelLayout):
+    """One online-softmax step inside a kernel: fold a KV block into (running max, running sum, output).
+
+    Args:
+      carry: (f32[rows, 1], f32[rows, 1], f32[rows, D]).
+      q: [rows, D] query tile.
+      keys, values: [B, D] the block's K and V as stored.
+      key_scales, value_scales: f32[1, B] FP8 scales, or None for plain pages.
+      visible, in_sequence: from block_masks.
+    """
+    running_max, running_sum, acc = carry
+    scores = jax.lax.dot_general(
+        q,
+        keys.astype(q.dtype),
+        (((1,), (1,)), ((), ())),
+        preferred_element_type=jnp.float32,
+        precision=layout.precision,
+    )  # [rows, B]
+    scores = scores * layout.sm_scale
+    if key_scales is not None:
+        scores = scores * key_scales
+    if layout.soft_cap is not None:
+        scores = layout.soft_cap * jnp.tanh(scores / layout.soft_cap)
+    scores = jnp.where(visible, scores, MASK_VALUE)
+    new_max = jnp.maximum(running_max, jnp.max(scores, axis=1, keepdims=True))  # [rows, 1]
+    correction = jnp.exp(running_max - new_max)
+    probs = jnp.where(visible, jnp.exp(scores - new_max), 0.0)  # [rows, B]
+    running_sum = running_sum * correction + jnp.sum(probs, axis=1, keepdims=True)
+    if value_scales is not None:
+        probs = probs * jnp.where(in_sequence, value_scales, 0.0)
+    # Slots past the sequence's end hold stale or null-page data, maybe NaN: zero them, since a zero
+    # probability times NaN is still NaN.
+    values = jnp.where(in_sequence.reshape(-1, 1), values.astype(q.dtype), 0.0).astype(q.dtype)
+    update = jax.lax.dot_general(
+        probs.astype(q.dtype),
+        values,
+        (((1,), (0,)), ((), ())),
+        preferred_element_type=jnp.float32,
+        precision=layout.precision,
+    )  # [rows, D]
+    return new_max, running_sum, acc * correction + update

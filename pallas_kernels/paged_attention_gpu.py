@@ -21,7 +21,10 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.kernel_layout import (
     MASK_VALUE,
     KernelLayout,
+    block_masks,
+    fold_kv_block,
     kernel_layout,
+    kv_block_range,
     query_blocks_rows,
     rows_to_tokens,
     tokens_to_rows,
@@ -57,60 +60,19 @@ def _attention_kernel(
     def attend_row(row, carry):
         q_start, q_end = cu_q_lens_ref[row], cu_q_lens_ref[row + 1]
         kv_len = kv_lens_ref[row]
-        # This block's tokens of the sequence, and the KV blocks they can see.
-        first_token = jnp.maximum(q_start, block_first_token)
-        end_token = jnp.minimum(q_end, block_first_token + layout.queries_per_block)
-        first_position = kv_len - (q_end - q_start) + (first_token - q_start)
-        last_position = first_position + (end_token - first_token) - 1
-        stop = jnp.where(end_token > first_token, last_position // block_tokens + 1, 0)
-        start = 0
-        if layout.sliding_window is not None:
-            start = jnp.clip((first_position - layout.sliding_window + 1) // block_tokens, 0, stop)
-        own = (row_tokens >= q_start) & (row_tokens < q_end)  # [rows, 1]
-        query_positions = kv_len - q_end + row_tokens  # [rows, 1]
+        start, stop = kv_block_range(q_start, q_end, kv_len, block_first_token, layout)
 
         def attend_block(kv_block, carry):
-            running_max, running_sum, acc = carry
             table_start = row * layout.pages_per_seq + kv_block * pages_per_block
             page_ids = block_tables_ref[pl.ds(table_start, pages_per_block)]  # i32[pages_per_block]
-            kv_positions = kv_block * block_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
-            in_sequence = kv_positions < kv_len  # [1, B]
-            visible = own & in_sequence & (kv_positions <= query_positions)  # [rows, B]
-            if layout.sliding_window is not None:
-                visible &= kv_positions > query_positions - layout.sliding_window
+            visible, in_sequence = block_masks(row_tokens, q_start, q_end, kv_len, kv_block, layout)
             keys = kv_pages_ref[page_ids, :, 2 * head, :].reshape(block_tokens, head_dim)  # [B, D]
             values = kv_pages_ref[page_ids, :, 2 * head + 1, :].reshape(block_tokens, head_dim)  # [B, D]
-            scores = jax.lax.dot_general(
-                q,
-                keys.astype(q.dtype),
-                (((1,), (1,)), ((), ())),
-                preferred_element_type=jnp.float32,
-                precision=layout.precision,
-            )  # [rows, B]
-            scores = scores * layout.sm_scale
+            key_scales = value_scales = None
             if scales_ref is not None:
                 key_scales = scales_ref[page_ids, 2 * head, :].reshape(1, block_tokens)
-                scores = scores * key_scales
-            if layout.soft_cap is not None:
-                scores = layout.soft_cap * jnp.tanh(scores / layout.soft_cap)
-            scores = jnp.where(visible, scores, MASK_VALUE)
-            new_max = jnp.maximum(running_max, jnp.max(scores, axis=1, keepdims=True))  # [rows, 1]
-            correction = jnp.exp(running_max - new_max)
-            probs = jnp.where(visible, jnp.exp(scores - new_max), 0.0)  # [rows, B]
-            running_sum = running_sum * correction + jnp.sum(probs, axis=1, keepdims=True)
-            if scales_ref is not None:
                 value_scales = scales_ref[page_ids, 2 * head + 1, :].reshape(1, block_tokens)
-                probs = probs * jnp.where(in_sequence, value_scales, 0.0)
-            # Slots past the sequence's end hold stale or null-page data, maybe NaN.
-            values = jnp.where(in_sequence.reshape(block_tokens, 1), values.astype(q.dtype), 0.0).astype(q.dtype)
-            update = jax.lax.dot_general(
-                probs.astype(q.dtype),
-                values,
-                (((1,), (0,)), ((), ())),
-                preferred_element_type=jnp.float32,
-                precision=layout.precision,
-            )  # [rows, D]
-            return new_max, running_sum, acc * correction + update
+            return fold_kv_block(carry, q, keys, values, key_scales, value_scales, visible, in_sequence, layout)
 
         return jax.lax.fori_loop(start, stop, attend_block, carry)
 

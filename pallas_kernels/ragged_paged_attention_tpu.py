@@ -23,7 +23,10 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.kernel_layout import (
     MASK_VALUE,
     KernelLayout,
+    block_masks,
+    fold_kv_block,
     kernel_layout,
+    kv_block_range,
     query_blocks_rows,
     rows_to_tokens,
     tokens_to_rows,
@@ -35,18 +38,7 @@ from pallas_kernels.quantization import QuantizedKVPages
 def _kv_block_range(row, cu_q_lens_ref, kv_lens_ref, block_first_token, layout: KernelLayout):
     """KV blocks [start, stop) that this query block's tokens of sequence `row` can see (0, 0 if none)."""
     row = jnp.minimum(row, layout.num_rows - 1)  # a row past the last is never attended; keep reads in range
-    q_start, q_end = cu_q_lens_ref[row], cu_q_lens_ref[row + 1]
-    kv_len = kv_lens_ref[row]
-    first_token = jnp.maximum(q_start, block_first_token)
-    end_token = jnp.minimum(q_end, block_first_token + layout.queries_per_block)
-    first_position = kv_len - (q_end - q_start) + (first_token - q_start)
-    last_position = first_position + (end_token - first_token) - 1
-    has_tokens = end_token > first_token
-    stop = jnp.where(has_tokens, last_position // layout.block_tokens + 1, 0)
-    start = jnp.int32(0)
-    if layout.sliding_window is not None:
-        start = jnp.clip((first_position - layout.sliding_window + 1) // layout.block_tokens, 0, stop)
-    return start, stop
+    return kv_block_range(cu_q_lens_ref[row], cu_q_lens_ref[row + 1], kv_lens_ref[row], block_first_token, layout)
 
 
 def _attention_kernel(
@@ -122,49 +114,17 @@ def _attention_kernel(
 
     def attend_block(row, kv_block, slot, carry):
         """Fold KV block `kv_block` of sequence `row` (in buffer `slot`) into the running softmax."""
-        running_max, running_sum, acc = carry
-        q_start, q_end = cu_q_lens_ref[row], cu_q_lens_ref[row + 1]
-        kv_len = kv_lens_ref[row]
-        own = (row_tokens >= q_start) & (row_tokens < q_end)  # [rows, 1]
-        query_positions = kv_len - q_end + row_tokens  # [rows, 1]
-        kv_positions = kv_block * block_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
-        in_sequence = kv_positions < kv_len  # [1, B]
-        visible = own & in_sequence & (kv_positions <= query_positions)  # [rows, B]
-        if layout.sliding_window is not None:
-            visible &= kv_positions > query_positions - layout.sliding_window
-
-        keys = k_buffer[slot].reshape(block_tokens, head_dim).astype(q.dtype)  # [B, D]
+        visible, in_sequence = block_masks(
+            row_tokens, cu_q_lens_ref[row], cu_q_lens_ref[row + 1], kv_lens_ref[row], kv_block, layout
+        )
+        keys = k_buffer[slot].reshape(block_tokens, head_dim)  # [B, D]
         values = v_buffer[slot].reshape(block_tokens, head_dim)  # [B, D]
-        scores = jax.lax.dot_general(
-            q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=layout.precision
-        )  # [rows, B]
-        scores = scores * layout.sm_scale
-        value_scales = None
+        key_scales = value_scales = None
         if scale_buffer is not None:
             block_scales = scale_buffer[slot]  # [pages_per_block, 2, P]
-            scores = scores * block_scales[:, 0, :].reshape(1, block_tokens)
+            key_scales = block_scales[:, 0, :].reshape(1, block_tokens)
             value_scales = block_scales[:, 1, :].reshape(1, block_tokens)
-        if layout.soft_cap is not None:
-            scores = layout.soft_cap * jnp.tanh(scores / layout.soft_cap)
-        scores = jnp.where(visible, scores, MASK_VALUE)
-        new_max = jnp.maximum(running_max, scores.max(axis=1, keepdims=True))  # [rows, 1]
-        correction = jnp.exp(running_max - new_max)
-        probs = jnp.where(visible, jnp.exp(scores - new_max), 0.0)  # [rows, B]
-        running_sum = running_sum * correction + probs.sum(axis=1, keepdims=True)
-        # Slots past the sequence's end hold stale or null-page data, maybe NaN: zero them,
-        # since a zero probability times NaN is still NaN.
-        if value_scales is not None:
-            probs = probs * jnp.where(in_sequence, value_scales, 0.0)
-            values = values.astype(q.dtype)
-        values = jnp.where(in_sequence.reshape(block_tokens, 1), values, 0).astype(q.dtype)
-        update = jax.lax.dot_general(
-            probs.astype(q.dtype),
-            values,
-            (((1,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32,
-            precision=layout.precision,
-        )  # [rows, D]
-        return new_max, running_sum, acc * correction + update
+        return fold_kv_block(carry, q, keys, values, key_scales, value_scales, visible, in_sequence, layout)
 
     def body(state):
         row, kv_block, stop, slot, carry = state
