@@ -20,7 +20,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from kernel_cases import CASES, RELATIVE_TOLERANCE, batch_lengths, make_case, relative_error  # noqa: E402
+from kernel_cases import CASES, RELATIVE_TOLERANCE, relative_error, standard_case  # noqa: E402
 
 from pallas_kernels import (  # noqa: E402
     paged_attention_gpu,
@@ -29,37 +29,20 @@ from pallas_kernels import (  # noqa: E402
 )
 
 
-def _case(seed, kv_dtype, kind, page_size, head_dim, group, num_kv_heads=2, **kwargs):
-    kv_lens, q_lens = batch_lengths(kind, page_size)
-    return make_case(
-        seed,
-        kv_lens=kv_lens,
-        q_lens=q_lens,
-        page_size=page_size,
-        num_kv_heads=num_kv_heads,
-        group=group,
-        head_dim=head_dim,
-        kv_dtype=kv_dtype,
-        padded_tokens=sum(q_lens) + 5,
-        padded_rows=len(kv_lens) + 2,
-        **kwargs,
-    )
-
-
 def _all_cases():
     """(name, case, kv dtype, kernel options, reference options) for every check."""
     for seed, (kv_dtype, kind, page_size, head_dim, group) in enumerate(CASES):
         name = f"{kv_dtype} {kind} page={page_size} head_dim={head_dim} gqa={group}"
-        yield name, _case(seed, kv_dtype, kind, page_size, head_dim, group), kv_dtype, {}, {}
+        yield name, standard_case(seed, kv_dtype, kind, page_size, head_dim, group), kv_dtype, {}, {}
     for queries_per_block, pages_per_block in [(1, 1), (2, 4), (8, 2), (32, 1)]:
         options = dict(queries_per_block=queries_per_block, pages_per_block=pages_per_block)
-        yield f"blocks {options}", _case(3, "float32", "mixed", 8, 64, 2), "float32", options, {}
+        yield f"blocks {options}", standard_case(3, "float32", "mixed", 8, 64, 2), "float32", options, {}
     for sliding_window, soft_cap in [(5, None), (None, 2.0), (20, 5.0)]:
         options = dict(sliding_window=sliding_window, soft_cap=soft_cap)
-        case = _case(4, "float32", "mixed", 8, 64, 2)
+        case = standard_case(4, "float32", "mixed", 8, 64, 2)
         yield f"window/cap {options}", case, "float32", {**options, "pages_per_block": 1}, options
-    yield "gqa=3 (9 over 3 heads)", _case(5, "bfloat16", "mixed", 16, 64, 3, num_kv_heads=3), "bfloat16", {}, {}
-    case = _case(6, "bfloat16", "mixed", 16, 128, 4, q_dtype=jnp.bfloat16)
+    yield "gqa=3 (9 over 3 heads)", standard_case(5, "bfloat16", "mixed", 16, 64, 3, num_kv_heads=3), "bfloat16", {}, {}
+    case = standard_case(6, "bfloat16", "mixed", 16, 128, 4, q_dtype=jnp.bfloat16)
     yield "bf16 queries", case, "bfloat16", {}, {}
 
 

@@ -133,6 +133,24 @@ def make_case(
     )
 
 
+def standard_case(seed, kv_dtype, kind, page_size, head_dim, group, num_kv_heads=2, **kwargs) -> AttentionCase:
+    """A batch of one kind with 5 padded tokens (into the null page) and two padded, empty sequence rows."""
+    kv_lens, q_lens = batch_lengths(kind, page_size)
+    return make_case(
+        seed,
+        kv_lens=kv_lens,
+        q_lens=q_lens,
+        page_size=page_size,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        kv_dtype=kv_dtype,
+        padded_tokens=sum(q_lens) + 5,
+        padded_rows=len(kv_lens) + 2,
+        **kwargs,
+    )
+
+
 def relative_error(out, ref, num_live_tokens: int) -> float:
     """||out - ref|| / ||ref|| over the live tokens, in f64."""
     out = np.asarray(out, np.float64)[:num_live_tokens]

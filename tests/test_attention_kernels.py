@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from kernel_cases import BATCH_KINDS, CASES, RELATIVE_TOLERANCE, batch_lengths, make_case, relative_error
+from kernel_cases import BATCH_KINDS, CASES, RELATIVE_TOLERANCE, batch_lengths, relative_error, standard_case
 
 from pallas_kernels import (
     paged_attention_gpu,
@@ -27,24 +27,6 @@ KERNELS = {
 }
 
 
-def _case(seed, kv_dtype, kind, page_size, head_dim, group, num_kv_heads=2, **kwargs):
-    kv_lens, q_lens = batch_lengths(kind, page_size)
-    return make_case(
-        seed,
-        kv_lens=kv_lens,
-        q_lens=q_lens,
-        page_size=page_size,
-        num_kv_heads=num_kv_heads,
-        group=group,
-        head_dim=head_dim,
-        kv_dtype=kv_dtype,
-        # Padded tokens (into the null page) and two padded, empty sequence rows.
-        padded_tokens=sum(q_lens) + 5,
-        padded_rows=len(kv_lens) + 2,
-        **kwargs,
-    )
-
-
 def _check_against_reference(out, case, kv_dtype, **options):
     ref = ragged_paged_attention_reference(case.q, case.kv_pages, case.metadata, sm_scale=case.sm_scale, **options)
     out = np.asarray(out, np.float32)
@@ -60,7 +42,7 @@ def _check_against_reference(out, case, kv_dtype, **options):
 @pytest.mark.parametrize("kv_dtype,kind,page_size,head_dim,group", CASES)
 def test_kernel_matches_reference(kernel, kv_dtype, kind, page_size, head_dim, group):
     seed = CASES.index((kv_dtype, kind, page_size, head_dim, group))
-    case = _case(seed, kv_dtype, kind, page_size, head_dim, group)
+    case = standard_case(seed, kv_dtype, kind, page_size, head_dim, group)
     _check_against_reference(KERNELS[kernel](case), case, kv_dtype)
 
 
@@ -68,7 +50,7 @@ def test_kernel_matches_reference(kernel, kv_dtype, kind, page_size, head_dim, g
 @pytest.mark.parametrize("queries_per_block,pages_per_block", [(1, 1), (2, 4), (8, 2), (32, 1)])
 def test_block_sizes_do_not_change_the_result(kernel, queries_per_block, pages_per_block):
     """Query blocks spanning many sequences, a sequence spanning many blocks, KV blocks of 1 to 4 pages."""
-    case = _case(3, "float32", "mixed", 8, 64, 2)
+    case = standard_case(3, "float32", "mixed", 8, 64, 2)
     out = KERNELS[kernel](case, queries_per_block=queries_per_block, pages_per_block=pages_per_block)
     _check_against_reference(out, case, "float32")
 
@@ -76,7 +58,7 @@ def test_block_sizes_do_not_change_the_result(kernel, queries_per_block, pages_p
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize("sliding_window,soft_cap", [(5, None), (None, 2.0), (20, 5.0)])
 def test_sliding_window_and_soft_cap(kernel, sliding_window, soft_cap):
-    case = _case(4, "float32", "mixed", 8, 64, 2)
+    case = standard_case(4, "float32", "mixed", 8, 64, 2)
     out = KERNELS[kernel](case, sliding_window=sliding_window, soft_cap=soft_cap, pages_per_block=1)
     _check_against_reference(out, case, "float32", sliding_window=sliding_window, soft_cap=soft_cap)
 
@@ -84,20 +66,20 @@ def test_sliding_window_and_soft_cap(kernel, sliding_window, soft_cap):
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_group_of_three_query_heads(kernel):
     """SmolLM2's 9 query heads over 3 KV heads: the GPU kernel pads the group to 4."""
-    case = _case(5, "bfloat16", "mixed", 16, 64, 3, num_kv_heads=3)
+    case = standard_case(5, "bfloat16", "mixed", 16, 64, 3, num_kv_heads=3)
     _check_against_reference(KERNELS[kernel](case), case, "bfloat16")
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_bfloat16_queries(kernel):
     """bf16 queries and pages, as the model computes on TPU and GPU."""
-    case = _case(6, "bfloat16", "mixed", 16, 128, 4, q_dtype=jnp.bfloat16)
+    case = standard_case(6, "bfloat16", "mixed", 16, 128, 4, q_dtype=jnp.bfloat16)
     _check_against_reference(KERNELS[kernel](case), case, "bfloat16")
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_batch_with_no_live_sequences(kernel):
-    case = _case(7, "float32", "decode", 16, 64, 2)
+    case = standard_case(7, "float32", "decode", 16, 64, 2)
     empty = dataclasses.replace(case.metadata, num_seqs=jnp.zeros((1,), jnp.int32))
     empty = dataclasses.replace(empty, cu_q_lens=jnp.zeros_like(empty.cu_q_lens))
     out = np.asarray(KERNELS[kernel](dataclasses.replace(case, metadata=empty)))
@@ -121,7 +103,7 @@ def test_interpreters_poison_unwritten_output():
 )
 def test_tpu_kernel_under_tpu_interpreter(kv_dtype, kind, page_size, group):
     """The TPU interpreter simulates HBM, VMEM and DMA: every page copy must stay in range and be waited on."""
-    case = _case(8, kv_dtype, kind, page_size, 64, group, num_kv_heads=1)
+    case = standard_case(8, kv_dtype, kind, page_size, 64, group, num_kv_heads=1)
     try:
         out = ragged_paged_attention_tpu(
             case.q, case.kv_pages, case.metadata, sm_scale=case.sm_scale, interpret=pltpu.InterpretParams()
@@ -134,7 +116,7 @@ def test_tpu_kernel_under_tpu_interpreter(kv_dtype, kind, page_size, group):
 @pytest.mark.slow
 def test_tpu_interpreter_catches_an_out_of_range_page():
     """The check above can fail: a block table naming a page past the pool raises."""
-    case = _case(9, "float32", "decode", 8, 64, 1, num_kv_heads=1)
+    case = standard_case(9, "float32", "decode", 8, 64, 1, num_kv_heads=1)
     tables = np.asarray(case.metadata.block_tables).copy()
     tables[1, 0] = 10_000
     bad = dataclasses.replace(case.metadata, block_tables=jnp.asarray(tables))
@@ -173,7 +155,7 @@ def test_dispatch_errors_name_the_fix():
 
 
 def test_gpu_kernel_refuses_non_power_of_two_pages():
-    case = _case(10, "float32", "decode", 8, 64, 1)
+    case = standard_case(10, "float32", "decode", 8, 64, 1)
     odd = jnp.zeros((4, 12, 4, 64), jnp.float32)
     with pytest.raises(ValueError, match="page_size to be a power of two"):
         paged_attention_gpu(case.q, odd, case.metadata, sm_scale=1.0, interpret=True)
