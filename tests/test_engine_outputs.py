@@ -146,6 +146,8 @@ def test_malformed_requests_name_the_problem(tiny):
         engine.add_request("a#1", [1, 2])
     with pytest.raises(ValueError, match="cache_salt must be a string"):
         engine.add_request("salt", [1, 2], cache_salt=3)
+    with pytest.raises(ValueError, match="priority must be an int"):
+        engine.add_request("p", [1, 2], priority="high")
     with pytest.raises(ValueError, match="must be a SamplingParams"):
         engine.add_request("d", [1, 2], {"temperature": 0})
     with pytest.raises(ValueError, match="list of ints"):
