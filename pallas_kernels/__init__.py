@@ -9,7 +9,13 @@ from pallas_kernels.ops import (
     resolve_attention_impl,
 )
 from pallas_kernels.paged_attention_gpu import paged_attention_gpu
-from pallas_kernels.quantization import QuantizedKVPages, empty_quantized_pages, quantize_per_row
+from pallas_kernels.quantization import (
+    QuantizedKVPages,
+    empty_quantized_pages,
+    is_quantized,
+    quantize_per_row,
+    rotation_matrix,
+)
 from pallas_kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
 from pallas_kernels.reference import ragged_paged_attention_reference, write_kv_reference
 
@@ -19,12 +25,14 @@ __all__ = [
     "QuantizedKVPages",
     "RESOLVED_IMPLS",
     "empty_quantized_pages",
+    "is_quantized",
     "paged_attention",
     "paged_attention_gpu",
     "quantize_per_row",
     "ragged_attention",
     "ragged_paged_attention_reference",
     "ragged_paged_attention_tpu",
+    "rotation_matrix",
     "resolve_attention_impl",
     "write_kv_reference",
 ]

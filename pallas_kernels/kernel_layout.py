@@ -199,7 +199,7 @@ def fold_kv_block(carry, q, keys, values, key_scales, value_scales, visible, in_
       carry: (f32[rows, 1], f32[rows, 1], f32[rows, D]).
       q: [rows, D] query tile.
       keys, values: [B, D] the block's K and V as stored.
-      key_scales, value_scales: f32[1, B] FP8 scales, or None for plain pages.
+      key_scales, value_scales: [1, B] scales of 8-bit pages (bf16), or None for plain pages.
       visible, in_sequence: from block_masks.
     """
     running_max, running_sum, acc = carry
@@ -212,7 +212,7 @@ def fold_kv_block(carry, q, keys, values, key_scales, value_scales, visible, in_
     )  # [rows, B]
     scores = scores * layout.sm_scale
     if key_scales is not None:
-        scores = scores * key_scales
+        scores = scores * key_scales.astype(jnp.float32)
     if layout.soft_cap is not None:
         scores = layout.soft_cap * jnp.tanh(scores / layout.soft_cap)
     scores = jnp.where(visible, scores, MASK_VALUE)
@@ -221,7 +221,7 @@ def fold_kv_block(carry, q, keys, values, key_scales, value_scales, visible, in_
     probs = jnp.where(visible, jnp.exp(scores - new_max), 0.0)  # [rows, B]
     running_sum = running_sum * correction + jnp.sum(probs, axis=1, keepdims=True)
     if value_scales is not None:
-        probs = probs * jnp.where(in_sequence, value_scales, 0.0)
+        probs = probs * jnp.where(in_sequence, value_scales.astype(jnp.float32), 0.0)
     # Slots past the sequence's end hold stale or null-page data, maybe NaN: zero them, since a zero
     # probability times NaN is still NaN.
     values = jnp.where(in_sequence.reshape(-1, 1), values.astype(q.dtype), 0.0).astype(q.dtype)

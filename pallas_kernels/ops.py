@@ -4,7 +4,7 @@ import jax
 
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.paged_attention_gpu import paged_attention_gpu
-from pallas_kernels.quantization import QuantizedKVPages
+from pallas_kernels.quantization import QuantizedKVPages, rotate, unrotate
 from pallas_kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
 from pallas_kernels.reference import ragged_paged_attention_reference, write_kv_reference
 
@@ -63,7 +63,7 @@ def ragged_attention(
 
     Args:
       q: queries of the new tokens, already rotated.
-      kv_pages: one layer's page pool, plain or FP8 with scales.
+      kv_pages: one layer's page pool, plain or 8-bit (FP8 or int8) with scales.
       metadata: the ragged batch layout.
       sm_scale: multiplier applied to q.k.
       attention_impl: one of RESOLVED_IMPLS.
@@ -93,12 +93,14 @@ def paged_attention(
 ) -> tuple[jax.Array, jax.Array | QuantizedKVPages]:  # ([T, num_q_heads, D], kv_pages)
     """Write this step's K/V into the pool, then attend each token over its sequence's pages.
 
-    The write is one XLA scatter into the donated pool (quantizing for FP8), for every
-    implementation; the attention kernels then read the pages it wrote.
+    The write is one XLA scatter into the donated pool (quantizing for 8-bit pools), for every
+    implementation; the attention kernels then read the pages it wrote. An 8-bit pool holds K/V
+    turned by quantization.rotation_matrix R: q is turned the same way, so q.k is unchanged,
+    and the output is turned back.
 
     Args:
       q, k, v: projections of the new tokens (q and k already rotated).
-      kv_pages: one layer's page pool, plain or FP8 with scales; returned updated.
+      kv_pages: one layer's page pool, plain or 8-bit (FP8 or int8) with scales; returned updated.
       metadata: the ragged batch layout.
       sm_scale: multiplier applied to q.k.
       attention_impl: a configured or resolved implementation name (see resolve_attention_impl).
@@ -106,6 +108,9 @@ def paged_attention(
       soft_cap: optional logit soft-cap.
     """
     attention_impl = resolve_attention_impl(attention_impl)
+    quantized = isinstance(kv_pages, QuantizedKVPages)
+    if quantized:
+        q, k, v = rotate(q), rotate(k), rotate(v)
     kv_pages = write_kv_reference(kv_pages, k, v, metadata.slots)
     out = ragged_attention(
         q,
@@ -116,4 +121,4 @@ def paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
     )
-    return out, kv_pages
+    return (unrotate(out) if quantized else out), kv_pages

@@ -44,7 +44,7 @@ def _attention_kernel(
     kv_lens_ref,  # i32[S]
     q_ref,  # [rows, D] this KV head's query rows of this block
     kv_pages_ref,  # [num_pages, P, 2K, D]
-    scales_ref,  # f32[num_pages, 2K, P] or None
+    scales_ref,  # bf16[num_pages, 2K, P] or None
     out_ref,  # [rows, D]
     *,
     layout: KernelLayout,
@@ -125,7 +125,7 @@ def paged_attention_gpu(
 
     Args:
       q: queries of the new tokens, already rotated.
-      kv_pages: one layer's page pool (K at even, V at odd head slots), plain or FP8 with scales.
+      kv_pages: one layer's page pool (K at even, V at odd head slots), plain or 8-bit (FP8 or int8) with scales.
       metadata: the ragged batch layout (see AttentionMetadata).
       sm_scale: multiplier applied to q.k.
       sliding_window: if set, a token sees only the last `sliding_window` positions.
@@ -136,7 +136,7 @@ def paged_attention_gpu(
     """
     scales = None
     if isinstance(kv_pages, QuantizedKVPages):
-        kv_pages, scales = kv_pages.fp8_pages(), kv_pages.scales
+        kv_pages, scales = kv_pages.values(), kv_pages.scale_values()
     layout = kernel_layout(
         q,
         kv_pages,

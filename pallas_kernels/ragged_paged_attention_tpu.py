@@ -8,7 +8,7 @@ pages are copied HBM -> VMEM by DMA into two buffers, the next block's copy in f
 the current one is scored. One online softmax (running max, sum, output) serves every row;
 a row only ever sees its own sequence's keys, so other sequences leave it untouched.
 
-FP8 pages carry one scale per token and KV head ([num_pages, 2K, page_size]); the kernel
+8-bit (FP8 or int8) pages carry one scale per token and KV head ([num_pages, 2K, page_size]); the kernel
 multiplies the scores by the key scales and the probabilities by the value scales, both
 row vectors over the block's tokens, instead of dequantizing K/V tiles.
 """
@@ -51,13 +51,13 @@ def _attention_kernel(
     # Inputs.
     q_ref,  # [rows, D] this KV head's query rows of this block (VMEM)
     kv_pages_hbm_ref,  # [num_pages, P, 2K, D] (HBM)
-    scales_hbm_ref,  # f32[num_pages, 2K, P] (HBM) or None
+    scales_hbm_ref,  # bf16[num_pages, 2K, P] (HBM) or None
     # Output.
     out_ref,  # [rows, D]
     # Scratch.
     k_buffer,  # [2, pages_per_block, P, D]
     v_buffer,  # [2, pages_per_block, P, D]
-    scale_buffer,  # f32[2, pages_per_block, 2, P] or None
+    scale_buffer,  # bf16[2, pages_per_block, 2, P] or None
     semaphores,  # DMA[2]
     *,
     layout: KernelLayout,
@@ -193,7 +193,7 @@ def ragged_paged_attention_tpu(
 
     Args:
       q: queries of the new tokens, already rotated.
-      kv_pages: one layer's page pool (K at even, V at odd head slots), plain or FP8 with scales.
+      kv_pages: one layer's page pool (K at even, V at odd head slots), plain or 8-bit (FP8 or int8) with scales.
       metadata: the ragged batch layout (see AttentionMetadata).
       sm_scale: multiplier applied to q.k.
       sliding_window: if set, a token sees only the last `sliding_window` positions.
@@ -204,7 +204,7 @@ def ragged_paged_attention_tpu(
     """
     scales = None
     if isinstance(kv_pages, QuantizedKVPages):
-        kv_pages, scales = kv_pages.fp8_pages(), kv_pages.scales
+        kv_pages, scales = kv_pages.values(), kv_pages.scale_values()
     layout = kernel_layout(
         q,
         kv_pages,
@@ -224,7 +224,7 @@ def ragged_paged_attention_tpu(
     scratch = [
         pltpu.VMEM((2, layout.pages_per_block, layout.page_size, head_dim), kv_dtype),
         pltpu.VMEM((2, layout.pages_per_block, layout.page_size, head_dim), kv_dtype),
-        pltpu.VMEM((2, layout.pages_per_block, 2, layout.page_size), jnp.float32) if scales is not None else None,
+        pltpu.VMEM((2, layout.pages_per_block, 2, layout.page_size), scales.dtype) if scales is not None else None,
         pltpu.SemaphoreType.DMA((2,)),
     ]
     in_specs = [row_block, pl.BlockSpec(memory_space=pl.ANY)]

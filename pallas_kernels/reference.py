@@ -23,10 +23,10 @@ def write_kv_reference(
 ) -> jax.Array | QuantizedKVPages:
     """Scatter new K/V into their slots; K sits at even head slots and V at odd ones.
 
-    FP8 pools (QuantizedKVPages) are quantized on the way in, one scale per token and KV head.
+    8-bit pools (QuantizedKVPages) are quantized on the way in, one scale per token and KV head.
 
     Args:
-      kv_pages: one layer's page pool, plain or FP8 with scales.
+      kv_pages: one layer's page pool, plain or 8-bit (FP8 or int8) with scales.
       k, v: the new tokens' keys and values.
       slots: page * page_size + offset for each token; padding points into the null page 0.
     """
@@ -35,12 +35,13 @@ def write_kv_reference(
     # [T, 2K, D] interleaved as k0, v0, k1, v1, ...
     kv = jnp.stack([k, v], axis=2).reshape(num_tokens, two_k, head_dim)
     if isinstance(kv_pages, QuantizedKVPages):
-        quantized, scales = quantize_per_row(kv, kv_pages.dtype)  # [T, 2K, D], f32[T, 2K]
+        quantized, scales = quantize_per_row(kv, kv_pages.dtype)  # [T, 2K, D], bf16[T, 2K]
         bits = jax.lax.bitcast_convert_type(quantized, jnp.uint8)
         pages = _scatter_tokens(kv_pages.pages, bits, slots)
         # Scales are [num_pages, 2K, page_size]: token t of page p is column t.
-        new_scales = kv_pages.scales.at[slots // page_size, :, slots % page_size].set(scales)
-        return QuantizedKVPages(pages=pages, scales=new_scales, fp8_dtype=kv_pages.fp8_dtype)
+        scale_bits = jax.lax.bitcast_convert_type(scales, jnp.uint16)
+        new_scales = kv_pages.scales.at[slots // page_size, :, slots % page_size].set(scale_bits)
+        return QuantizedKVPages(pages=pages, scales=new_scales, value_dtype=kv_pages.value_dtype)
     return _scatter_tokens(kv_pages, kv.astype(kv_pages.dtype), slots)
 
 
@@ -52,7 +53,7 @@ def _scatter_tokens(pages: jax.Array, kv: jax.Array, slots: jax.Array) -> jax.Ar
 
 
 def _gather_pages(kv_pages: jax.Array | QuantizedKVPages, page_ids: jax.Array) -> jax.Array:
-    """f32 K/V of the given pages: [*page_ids.shape, page_size, 2K, D], dequantized for FP8 pools."""
+    """f32 K/V of the given pages: [*page_ids.shape, page_size, 2K, D], dequantized for 8-bit pools."""
     if isinstance(kv_pages, QuantizedKVPages):
         return kv_pages.gather(page_ids)
     return kv_pages[page_ids].astype(jnp.float32)
@@ -118,7 +119,7 @@ def ragged_paged_attention_reference(
 
     Args:
       q: queries of the new tokens, already rotated.
-      kv_pages: one layer's page pool, K and V interleaved on the head axis; FP8 pools
+      kv_pages: one layer's page pool, K and V interleaved on the head axis; 8-bit pools
         (QuantizedKVPages) are dequantized block by block as they are read.
       metadata: the ragged batch layout (see AttentionMetadata).
       sm_scale: multiplier applied to q.k, usually head_dim ** -0.5.

@@ -3,7 +3,7 @@
 import dataclasses
 import operator
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 
 
@@ -17,7 +17,8 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # default: min(the model's context, 4096)
-    # "auto" (the parameters' dtype), "float32", "bfloat16", or FP8 with a scale per token and KV head.
+    # "auto" (the parameters' dtype), "float32", "bfloat16", or 8-bit (FP8 or int8) with a
+    # bf16 scale per token and KV head, stored rotated (pallas_kernels/quantization.py).
     kv_cache_dtype: str = "auto"
     seed: int = 0  # draws seeds for requests that give none
     enable_prefix_caching: bool = True  # share full prompt pages between requests (paxkv/prefix_trie.py)

@@ -1,4 +1,4 @@
-"""The KV page pool's storage: dtype names, bytes per token (FP8 scales included) and allocation."""
+"""The KV page pool's storage: dtype names, bytes per token (8-bit scales included) and allocation."""
 
 import jax
 import jax.numpy as jnp
@@ -6,42 +6,42 @@ import numpy as np
 
 import models
 from pallas_kernels import QuantizedKVPages, empty_quantized_pages
-from pallas_kernels.quantization import is_fp8
+from pallas_kernels.quantization import is_quantized
 
-# Config names of the FP8 formats -> their jnp dtypes.
-FP8_NAMES = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
-# An FP8 pool stores one f32 scale per token, KV head and K/V.
-SCALE_BYTES = 4
+# Config names of the 8-bit formats -> their jnp dtypes.
+QUANTIZED_NAMES = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2, "int8": jnp.int8}
+# An 8-bit pool stores one bf16 scale per token, KV head and K/V.
+SCALE_BYTES = 2
 
 
 def kv_storage_dtype(kv_cache_dtype: str, param_dtype) -> np.dtype:
     """The dtype K/V are stored in: the parameters' dtype for "auto", else the named one.
 
     Args:
-      kv_cache_dtype: auto | float32 | bfloat16 | fp8_e4m3 | fp8_e5m2.
+      kv_cache_dtype: auto | float32 | bfloat16 | fp8_e4m3 | fp8_e5m2 | int8.
       param_dtype: the model parameters' dtype.
     """
     if kv_cache_dtype == "auto":
         return np.dtype(param_dtype)
-    return np.dtype(FP8_NAMES.get(kv_cache_dtype, kv_cache_dtype))
+    return np.dtype(QUANTIZED_NAMES.get(kv_cache_dtype, kv_cache_dtype))
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
-    """KV bytes one token costs: 2 x KV heads x head_dim x dtype bytes x layers, plus FP8 scales.
+    """KV bytes one token costs: 2 x KV heads x head_dim x dtype bytes x layers, plus 8-bit scales.
 
     Args:
       num_layers, num_kv_heads, head_dim: the model's attention shape.
       dtype: the storage dtype.
     """
     dtype = np.dtype(dtype)
-    per_head = head_dim * dtype.itemsize + (SCALE_BYTES if is_fp8(dtype) else 0)
+    per_head = head_dim * dtype.itemsize + (SCALE_BYTES if is_quantized(dtype) else 0)
     return 2 * num_kv_heads * per_head * num_layers
 
 
 def allocate_pool(
     model_config: models.ModelConfig, num_pages: int, page_size: int, dtype
 ) -> list[jax.Array | QuantizedKVPages]:
-    """Zeroed page pools, one per layer: plain arrays, or FP8 pages with unit scales.
+    """Zeroed page pools, one per layer: plain arrays, or 8-bit pages with unit scales.
 
     Args:
       model_config: the model whose layers and KV heads size the pools.
@@ -49,7 +49,7 @@ def allocate_pool(
       page_size: tokens per page.
       dtype: the storage dtype (kv_storage_dtype).
     """
-    if is_fp8(dtype):
+    if is_quantized(dtype):
         shape = (num_pages, page_size, model_config.num_kv_heads, model_config.head_dim)
         return [empty_quantized_pages(*shape, dtype) for _ in range(model_config.num_layers)]
     return models.allocate_kv_caches(model_config, num_pages, page_size, dtype)

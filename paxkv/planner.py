@@ -5,10 +5,10 @@ import os
 
 import models
 from models.config import ModelConfig, load_hf_config
-from paxkv.kv_cache import FP8_NAMES, kv_bytes_per_token
+from paxkv.kv_cache import QUANTIZED_NAMES, kv_bytes_per_token
 
 # The KV dtypes the planner compares, by config name, with their storage dtypes.
-PLAN_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "fp8_e4m3": FP8_NAMES["fp8_e4m3"]}
+PLAN_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "fp8_e4m3": QUANTIZED_NAMES["fp8_e4m3"], "int8": "int8"}
 
 
 def plan_model_config(source: str | None) -> ModelConfig:
@@ -106,7 +106,7 @@ def format_plan(
         f"heads of {config.head_dim}, {num_params / 1e9:.2f} B parameters = {_gib(weights_bf16)} in bf16, "
         f"{_gib(2 * weights_bf16)} in f32",
         f"KV per token = 2 x {config.num_kv_heads} KV heads x {config.head_dim} x dtype bytes x {config.num_layers} "
-        "layers (+ a 4-byte scale per token, head and K/V for fp8)",
+        "layers (+ a 2-byte scale per token, head and K/V for fp8 and int8)",
         f"budget {_gib(kv_cache_memory_bytes)}, max_model_len {max_model_len}, page_size {page_size}:",
         "",
         f"{'kv dtype':<10} {'bytes/token':>12} {'KV/sequence':>14} {'pages':>10} {'tokens':>12} "

@@ -25,7 +25,7 @@ class PreemptionPolicy:
 
         Args:
           mode: auto | recompute | swap.
-          bytes_per_page: device bytes of one page over every layer (FP8 scales included).
+          bytes_per_page: device bytes of one page over every layer (8-bit scales included).
           num_host_slots: pages the host pool holds; 0 means recompute always.
         """
         self.mode = mode

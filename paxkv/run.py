@@ -41,8 +41,8 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter storag
 flags.DEFINE_enum(
     "kv_cache_dtype",
     "auto",
-    ["auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
-    "KV pool dtype; auto is --dtype; fp8 stores a scale per token and KV head.",
+    ["auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"],
+    "KV pool dtype; auto is --dtype; fp8 and int8 store a bf16 scale per token and KV head.",
 )
 flags.DEFINE_bool("no_prefix_caching", False, "Turn off prefix caching (sharing full prompt pages between requests).")
 flags.DEFINE_enum(
@@ -241,7 +241,7 @@ def main(argv):
     print(
         f"# model {loaded.source} ({loaded.config.model_type}, {loaded.config.num_layers} layers), loaded in "
         f"{loaded.load_seconds:.1f} s\n# KV pool: {num_pages} pages of {page_size} tokens = {num_pages * page_size} "
-        f"tokens of {engine.kv_dtype.name}, {engine.kv_bytes_per_token} bytes per token (FP8 scales included), "
+        f"tokens of {engine.kv_dtype.name}, {engine.kv_bytes_per_token} bytes per token (8-bit scales included), "
         f"{engine.kv_cache_bytes / 2**20:.0f} MiB",
         file=sys.stderr,
     )

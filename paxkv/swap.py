@@ -56,7 +56,7 @@ def _scatter(kv_caches, pages, values):
 
 
 class HostSwapSpace:
-    """Host copies of whole pages, one numpy array per leaf of the device pool (FP8 scales included).
+    """Host copies of whole pages, one numpy array per leaf of the device pool (8-bit scales included).
 
     Pages move device -> host when a request is preempted by swap and host -> device, into whatever
     pages are free then, when it resumes. The copies are bit-exact. Transfer rates are measured on

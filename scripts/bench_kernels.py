@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 from pallas_kernels import (  # noqa: E402
     AttentionMetadata,
     QuantizedKVPages,
+    is_quantized,
     paged_attention_gpu,
     quantize_per_row,
     ragged_paged_attention_reference,
@@ -69,12 +70,12 @@ def copy_bandwidth(mib: int) -> float:
 
 
 def make_pool(key, num_pages, page_size, num_kv_heads, head_dim, kv_dtype):
-    """A random pool on the device: bf16 pages, or FP8 pages quantized per token and head."""
+    """A random pool on the device: bf16 pages, or 8-bit pages quantized per token and head."""
     values = jax.random.normal(key, (num_pages, page_size, 2 * num_kv_heads, head_dim), jnp.bfloat16)
     if kv_dtype == "bfloat16":
         return values
     pages, scales = jax.jit(quantize_per_row, static_argnums=1)(values, jnp.dtype(kv_dtype))
-    return QuantizedKVPages.from_fp8(pages, scales.transpose(0, 2, 1))
+    return QuantizedKVPages.from_values(pages, scales.transpose(0, 2, 1))
 
 
 def make_batch(kv_lens, q_lens, page_size, num_pages, seed=0) -> AttentionMetadata:
@@ -110,8 +111,8 @@ def attention_flops(kv_lens, q_lens, num_q_heads, head_dim) -> float:
 
 
 def kv_bytes_read(kv_lens, num_kv_heads, head_dim, kv_dtype) -> float:
-    """Bytes of K, V (and FP8 scales) a decode step must read: every cached token once."""
-    per_token = 2 * num_kv_heads * (head_dim * jnp.dtype(kv_dtype).itemsize + (4 if "float8" in kv_dtype else 0))
+    """Bytes of K, V (and 8-bit scales) a decode step must read: every cached token once."""
+    per_token = 2 * num_kv_heads * (head_dim * jnp.dtype(kv_dtype).itemsize + (2 if is_quantized(kv_dtype) else 0))
     return float(sum(kv_lens) * per_token)
 
 
@@ -236,7 +237,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small" if backend == "cpu" else "full")
     parser.add_argument("--impls", default="xla" if backend == "cpu" else "pallas,xla")
-    parser.add_argument("--kv_dtypes", default="bfloat16,float8_e4m3fn")
+    parser.add_argument("--kv_dtypes", default="bfloat16,float8_e4m3fn,int8")
     parser.add_argument("--page_size", type=int, default=16)
     parser.add_argument("--num_kv_heads", type=int, default=8)
     parser.add_argument("--num_q_heads", type=int, default=32)

@@ -9,7 +9,7 @@ from pallas_kernels import AttentionMetadata
 from pallas_kernels.quantization import QuantizedKVPages, quantize_per_row
 
 # Per-dtype tolerance on ||out - ref|| / ||ref||, as the kernel issue states them.
-RELATIVE_TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float8_e4m3fn": 1e-2, "float8_e5m2": 1e-2}
+RELATIVE_TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float8_e4m3fn": 1e-2, "float8_e5m2": 1e-2, "int8": 1e-2}
 
 # (kv_lens, q_lens) for the batch kinds; page-boundary lengths are filled in per page size.
 BATCH_KINDS = ("decode", "prefill", "mixed")
@@ -29,6 +29,8 @@ CASES = [
     ("float8_e4m3fn", "mixed", 16, 64, 8),
     ("float8_e4m3fn", "mixed", 32, 128, 1),
     ("float8_e5m2", "mixed", 16, 64, 2),
+    ("int8", "decode", 16, 128, 4),
+    ("int8", "mixed", 32, 64, 2),
 ]
 
 
@@ -114,14 +116,16 @@ def make_case(
         num_seqs=jnp.asarray([num_seqs], jnp.int32),
     )
     q = rng.standard_normal((padded_tokens, num_kv_heads * group, head_dim)).astype(np.float32)
-    if kv_dtype.startswith("float8"):
+    if kv_dtype.startswith("float8") or kv_dtype == "int8":
         token_rows = values.reshape(num_pages, page_size, 2 * num_kv_heads, head_dim)
         # Give rows different magnitudes, as real K/V have, so per-row scales matter.
         token_rows = token_rows * rng.uniform(0.05, 20.0, size=shape[:3] + (1,)).astype(np.float32)
         quantized, scales = quantize_per_row(jnp.asarray(np.nan_to_num(token_rows)), jnp.dtype(kv_dtype))
-        pages = jnp.where(jnp.asarray(used)[..., None, None], quantized, jnp.asarray(np.nan, quantized.dtype))
+        # Unused slots: NaN values where the format has one (int8 has none: its extreme), NaN scales.
+        filler = jnp.asarray(np.nan if kv_dtype != "int8" else -128, quantized.dtype)
+        pages = jnp.where(jnp.asarray(used)[..., None, None], quantized, filler)
         scales = jnp.where(jnp.asarray(used)[..., None], scales, jnp.nan).transpose(0, 2, 1)
-        kv_pages = QuantizedKVPages.from_fp8(pages, scales)
+        kv_pages = QuantizedKVPages.from_values(pages, scales)
     else:
         kv_pages = jnp.asarray(values, jnp.dtype(kv_dtype))
     return AttentionCase(

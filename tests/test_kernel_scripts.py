@@ -38,7 +38,7 @@ def _lower(kernel, case, platform) -> str:
 
 
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
-@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn", "int8"])
 def test_gpu_kernel_lowers_to_triton(kind, kv_dtype):
     """Cross-platform lowering runs every Triton lowering rule (power-of-two tiles, supported ops) without a GPU."""
     text = _lower(paged_attention_gpu, _case(kind, kv_dtype), "cuda")
@@ -46,7 +46,7 @@ def test_gpu_kernel_lowers_to_triton(kind, kv_dtype):
 
 
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
-@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn", "int8"])
 def test_tpu_kernel_lowers_to_mosaic(kind, kv_dtype, monkeypatch):
     """Lowering to Mosaic runs the Pallas TPU lowering rules; the chip is named since this machine has none."""
     tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")

@@ -27,16 +27,16 @@ def loaded(tmp_path_factory, make_tiny_llama):
 def _pool(dtype: str, num_pages=12):
     key = jax.random.key(0)
     shape = (num_pages, PAGE, 4, 16)
-    if dtype.startswith("float8"):
-        pages = jax.random.normal(key, shape).astype(jnp.dtype(dtype))
+    if dtype.startswith("float8") or dtype == "int8":
+        pages = (30 * jax.random.normal(key, shape)).astype(jnp.dtype(dtype))
         scales = jax.random.uniform(key, (num_pages, 4, PAGE))
-        layer = QuantizedKVPages.from_fp8(pages, scales)
+        layer = QuantizedKVPages.from_values(pages, scales)
     else:
         layer = jax.random.normal(key, shape).astype(jnp.dtype(dtype))
     return [layer, jax.tree.map(lambda x: x + 1 if x.dtype != jnp.uint8 else x ^ 1, layer)]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn", "int8"])
 def test_swap_round_trip_is_bit_exact(dtype):
     pool = _pool(dtype)
     before = jax.device_get(jax.tree.leaves(pool))
@@ -188,8 +188,8 @@ def test_overload_soak(loaded):
         assert engine.swap_space.slots.num_free_slots == engine.swap_space.slots.num_slots
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
-def test_fp8_pool_runs_on_the_xla_and_interpreted_paths(tmp_path_factory, make_tiny_llama, kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
+def test_8_bit_pool_runs_on_the_xla_and_interpreted_paths(tmp_path_factory, make_tiny_llama, kv_cache_dtype):
     path = tmp_path_factory.mktemp("tiny_fp8")
     make_tiny_llama(max_position_embeddings=512, initializer_range=0.1).save_pretrained(path)
     prompts = _prompts(np.random.default_rng(5), [20, 7, 33])
@@ -209,8 +209,8 @@ def test_fp8_pool_runs_on_the_xla_and_interpreted_paths(tmp_path_factory, make_t
 
     engine, xla = run("xla", kv_cache_dtype)
     assert isinstance(engine.kv_caches[0], QuantizedKVPages)
-    # 2 KV heads x (16 fp8 bytes + a 4-byte scale) x K and V x 2 layers.
-    assert engine.kv_bytes_per_token == 2 * 2 * (16 + 4) * 2
+    # 2 KV heads x (16 one-byte values + a 2-byte bf16 scale) x K and V x 2 layers.
+    assert engine.kv_bytes_per_token == 2 * 2 * (16 + 2) * 2
     _, interpreted = run("interpret", kv_cache_dtype)
     assert {k: o.token_ids for k, o in xla.items()} == {k: o.token_ids for k, o in interpreted.items()}
     # Against an f32 pool: the first token (the prompt's own logits, the same inputs) and its log-probability
