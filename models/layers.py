@@ -6,7 +6,8 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.rope import apply_rope, rope_inverse_frequencies
-from pallas_kernels import AttentionMetadata, paged_attention
+from models.sharding import attention_on_mesh
+from pallas_kernels import AttentionMetadata
 
 # Letters in einsum strings:
 #   T tokens, D hidden size, N query heads, K kv heads, H head_dim, F mlp width.
@@ -97,7 +98,7 @@ class PagedAttention(nnx.Module):
             rope_inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling, self.rope_freq_factors)
         )
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        out, kv_pages = paged_attention(
+        out, kv_pages = attention_on_mesh(
             q,
             k,
             v,

@@ -28,6 +28,7 @@ class LoadedModel:
     state: nnx.State
     source: str
     load_seconds: float = 0.0
+    mesh: jax.sharding.Mesh | None = None  # the mesh the parameters were placed on, if any
 
     @property
     def model(self) -> Llama:

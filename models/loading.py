@@ -80,6 +80,7 @@ def load(
             "(config.json + *.safetensors), GGUF files and orbax folders"
         )
     loaded.load_seconds = time.perf_counter() - start
+    loaded.mesh = mesh
     logging.info(
         "loaded %s (%s, %d layers) in %.2f s",
         path,

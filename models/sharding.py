@@ -1,10 +1,13 @@
-"""Logical parameter axes, and the one table that maps them onto a ("data", "model") mesh."""
+"""Logical parameter axes, the one table that maps them onto a ("data", "model") mesh, and attention on a mesh."""
 
+import functools
 import logging
 
 import jax
 from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from pallas_kernels import QuantizedKVPages, paged_attention, resolve_attention_impl
 
 # Logical axis -> mesh axis. Tensor parallelism splits heads, MLP width and vocab over "model".
 DEFAULT_SHARDING_RULES: dict[str, str | None] = {
@@ -91,3 +94,36 @@ def restore_target(abstract_state: nnx.State, shardings: dict[tuple, jax.shardin
         value = variable.get_value()
         target[path] = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=shardings[path])
     return traverse_util.unflatten_dict(target)
+
+
+def attention_on_mesh(q, k, v, kv_pages, metadata, *, attention_impl: str, **options):
+    """paged_attention, run per model shard under shard_map when a Pallas kernel meets a mesh.
+
+    The XLA path is plain jnp, which the compiler partitions by itself. A Pallas kernel is one opaque call
+    that the partitioner would feed whole (gathering the pool onto every device), so under a context mesh
+    (jax.set_mesh) with "model" > 1 each shard runs the kernel on its own KV heads: q, k, v and the pool's
+    head axis split on "model" when the KV heads divide it, else everything is replicated and each shard
+    attends over all heads.
+
+    Args:
+      q, k, v, kv_pages, metadata: as pallas_kernels.paged_attention.
+      attention_impl: the implementation name; options: sm_scale, sliding_window, soft_cap.
+    """
+    call = functools.partial(paged_attention, attention_impl=attention_impl, **options)
+    mesh = jax.sharding.get_abstract_mesh()
+    if resolve_attention_impl(attention_impl) == "xla" or mesh.empty or mesh.shape.get("model", 1) == 1:
+        return call(q, k, v, kv_pages, metadata)
+    num_kv_heads = k.shape[1]
+    heads = "model" if num_kv_heads % mesh.shape["model"] == 0 else None
+    per_token = PartitionSpec(None, heads, None)  # [T, heads, D]
+    pages = PartitionSpec(None, None, heads, None)  # [num_pages, P, 2K, D]
+    if isinstance(kv_pages, QuantizedKVPages):
+        pages = QuantizedKVPages(pages=pages, scales=PartitionSpec(None, heads, None), value_dtype=kv_pages.value_dtype)
+    metadata_spec = jax.tree.map(lambda _: PartitionSpec(), metadata)
+    sharded = jax.shard_map(
+        call,
+        in_specs=(per_token, per_token, per_token, pages, metadata_spec),
+        out_specs=(per_token, pages),
+        check_vma=False,
+    )
+    return sharded(q, k, v, kv_pages, metadata)

@@ -3,6 +3,8 @@
 import dataclasses
 import operator
 
+from paxkv.mesh import parse_mesh_shape
+
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 
@@ -28,8 +30,12 @@ class EngineConfig:
     swap_space_bytes: int = 1 << 30  # the host pool for swapped pages; 0 turns swapping off
     # Admission keeps this fraction of the pool free, so a new request does not at once force preemptions.
     watermark: float = 0.01
+    # The device mesh, "data=D,model=M" or a dict; None puts every device on "model" (one device on CPU).
+    # LLM and the CLI load the model onto it (paxkv.mesh.load_on_mesh).
+    mesh_shape: str | dict | None = None
 
     def __post_init__(self):
+        parse_mesh_shape(self.mesh_shape)  # raises on an unknown axis or a bad size
         # Integral values of other types (numpy integers) become ints; anything else is left for the checks below.
         for name in (
             "page_size",

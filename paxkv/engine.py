@@ -1,5 +1,6 @@
 """Engine: requests in, one jitted step per call, outputs out; the caller drives the loop."""
 
+import contextlib
 import logging
 import time
 
@@ -9,6 +10,7 @@ import numpy as np
 import models
 from paxkv.config import EngineConfig
 from paxkv.kv_cache import allocate_pool, kv_bytes_per_token, kv_storage_dtype
+from paxkv.mesh import describe_kv_layout, kv_heads_sharded, parse_mesh_shape
 from paxkv.metrics import EngineMetrics
 from paxkv.outputs import RequestMetrics, RequestOutput
 from paxkv.page_allocator import PageAllocator
@@ -61,10 +63,30 @@ class Engine:
                 f"one page for each of max_num_seqs={config.max_num_seqs} sequences; raise num_pages or "
                 "kv_cache_memory_bytes, or lower max_num_seqs"
             )
+        if config.mesh_shape is not None:
+            wanted = parse_mesh_shape(config.mesh_shape)
+            have = dict(loaded.mesh.shape) if loaded.mesh is not None else {"data": 1, "model": 1}
+            if wanted != have:
+                raise ValueError(
+                    f"mesh_shape={config.mesh_shape!r}, but the model was loaded on data={have['data']},"
+                    f"model={have['model']}; load it with paxkv.mesh.load_on_mesh(source, mesh_shape), as LLM and "
+                    "the CLI do"
+                )
+        self.mesh = loaded.mesh if loaded.mesh is not None and loaded.mesh.size > 1 else None
+        if self.mesh is not None:
+            if self.mesh.shape["data"] > 1:
+                raise ValueError(
+                    f"mesh data={self.mesh.shape['data']}: data parallelism is not implemented yet; use data=1 "
+                    "and put the devices on model"
+                )
+            layout = describe_kv_layout(
+                model_config.model_type, model_config.num_kv_heads, model_config.num_heads, self.mesh
+            )
+            (logger.info if kv_heads_sharded(model_config.num_kv_heads, self.mesh) else logger.warning)(layout)
         self.allocator = PageAllocator(num_pages)
         self.prefix_trie = PrefixTrie(self.allocator, config.page_size) if config.enable_prefix_caching else None
         try:
-            self.kv_caches = allocate_pool(model_config, num_pages, config.page_size, kv_dtype)
+            self.kv_caches = allocate_pool(model_config, num_pages, config.page_size, kv_dtype, self.mesh)
         except (RuntimeError, MemoryError) as e:  # XLA reports a failed allocation as a RuntimeError
             gib = num_pages * config.page_size * bytes_per_token / 2**30
             raise ValueError(
@@ -373,7 +395,9 @@ class Engine:
         self.step_shapes.add(
             (inputs.tokens.shape[0], num_rows, token_counts is not None, suppress is not None, with_logprobs)
         )
-        sampled, self.kv_caches = engine_step(self._graph, self.loaded.state, self.kv_caches, *arguments)
+        # Under the mesh, a Pallas kernel runs per model shard (models.sharding.attention_on_mesh).
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            sampled, self.kv_caches = engine_step(self._graph, self.loaded.state, self.kv_caches, *arguments)
         return sampled
 
     def _vocab_arrays(self, batch: ScheduledBatch, num_rows: int):

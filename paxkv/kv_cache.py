@@ -3,10 +3,12 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 import models
 from pallas_kernels import QuantizedKVPages, empty_quantized_pages
 from pallas_kernels.quantization import is_quantized
+from paxkv.mesh import pool_sharding
 
 # Config names of the 8-bit formats -> their jnp dtypes.
 QUANTIZED_NAMES = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2, "int8": jnp.int8}
@@ -39,7 +41,7 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype)
 
 
 def allocate_pool(
-    model_config: models.ModelConfig, num_pages: int, page_size: int, dtype
+    model_config: models.ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh | None = None
 ) -> list[jax.Array | QuantizedKVPages]:
     """Zeroed page pools, one per layer: plain arrays, or 8-bit pages with unit scales.
 
@@ -48,8 +50,16 @@ def allocate_pool(
       num_pages: pages per layer, including the null page 0.
       page_size: tokens per page.
       dtype: the storage dtype (kv_storage_dtype).
+      mesh: if given, each device allocates only its shard (KV heads on "model", see mesh.pool_sharding).
     """
-    if is_quantized(dtype):
-        shape = (num_pages, page_size, model_config.num_kv_heads, model_config.head_dim)
-        return [empty_quantized_pages(*shape, dtype) for _ in range(model_config.num_layers)]
-    return models.allocate_kv_caches(model_config, num_pages, page_size, dtype)
+
+    def allocate():
+        if is_quantized(dtype):
+            shape = (num_pages, page_size, model_config.num_kv_heads, model_config.head_dim)
+            return [empty_quantized_pages(*shape, dtype) for _ in range(model_config.num_layers)]
+        return models.allocate_kv_caches(model_config, num_pages, page_size, dtype)
+
+    if mesh is None:
+        return allocate()
+    shardings = [pool_sharding(layer, model_config.num_kv_heads, mesh) for layer in jax.eval_shape(allocate)]
+    return jax.jit(allocate, out_shardings=shardings)()

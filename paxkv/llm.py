@@ -2,10 +2,10 @@
 
 import itertools
 
-import models
 from paxkv.batch_runner import drain, encode_chat, encode_prompt
 from paxkv.config import EngineConfig
 from paxkv.engine import Engine
+from paxkv.mesh import load_on_mesh
 from paxkv.outputs import RequestOutput
 from paxkv.sampling_params import SamplingParams
 
@@ -29,12 +29,17 @@ class LLM:
           dtype: parameter storage dtype.
           skip_tokenizer_init: load weights only (as vLLM's flag); prompts must then be token-id lists.
           attention_impl: auto | pallas | interpret | xla.
-          **engine_config: EngineConfig fields (num_pages, max_num_seqs, max_num_batched_tokens, ...).
+          **engine_config: EngineConfig fields (num_pages, max_num_seqs, max_num_batched_tokens, mesh_shape, ...).
         """
-        self.loaded = models.load(
-            model, dtype=dtype, attention_impl=attention_impl, require_tokenizer=not skip_tokenizer_init
+        config = EngineConfig(**engine_config)
+        self.loaded = load_on_mesh(
+            model,
+            config.mesh_shape,
+            dtype=dtype,
+            attention_impl=attention_impl,
+            require_tokenizer=not skip_tokenizer_init,
         )
-        self.engine = Engine(self.loaded, EngineConfig(**engine_config))
+        self.engine = Engine(self.loaded, config)
         self._request_ids = itertools.count()
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:

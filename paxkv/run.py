@@ -50,6 +50,9 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_string("swap_space", "1GiB", "Host memory for swapped-out pages, e.g. 4GiB; 0 turns swapping off.")
 flags.DEFINE_float("watermark", 0.01, "Fraction of the pool admission keeps free, in [0, 1).")
+flags.DEFINE_string(
+    "mesh", None, "Device mesh, e.g. data=1,model=4 (default: every device on model; one device on CPU)."
+)
 flags.DEFINE_bool("plan", False, "Print the KV memory plan for --model (a config.json is enough) and exit.")
 flags.DEFINE_enum("attention_impl", "auto", ["auto", "pallas", "interpret", "xla"], "Attention implementation.")
 flags.DEFINE_string(
@@ -219,6 +222,7 @@ def main(argv):
             preemption_mode=FLAGS.preemption_mode,
             swap_space_bytes=0 if FLAGS.swap_space.strip() == "0" else parse_memory_size(FLAGS.swap_space),
             watermark=FLAGS.watermark,
+            mesh_shape=FLAGS.mesh,
         )
         from paxkv.config import EngineConfig
 
@@ -226,14 +230,17 @@ def main(argv):
     except ValueError as e:
         raise app.UsageError(str(e)) from None
 
-    from models import CheckpointError, load
+    from models import CheckpointError
     from paxkv.batch_runner import BadRequestsError, run_lines
     from paxkv.compilation_cache import enable_compilation_cache
     from paxkv.engine import Engine
+    from paxkv.mesh import load_on_mesh
 
     enable_compilation_cache(FLAGS.compilation_cache_dir)
     try:
-        loaded = load(FLAGS.model, dtype=FLAGS.dtype, attention_impl=FLAGS.attention_impl)
+        loaded = load_on_mesh(
+            FLAGS.model, engine_config.mesh_shape, dtype=FLAGS.dtype, attention_impl=FLAGS.attention_impl
+        )
         engine = Engine(loaded, engine_config)
     except (CheckpointError, ValueError) as e:
         sys.exit(f"paxkv: {e}")

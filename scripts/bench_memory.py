@@ -170,12 +170,12 @@ def pressure(loaded) -> dict:
 
     import memory_pressure as mp
 
-    from paxkv.kv_cache import FP8_NAMES, kv_bytes_per_token
+    from paxkv.kv_cache import QUANTIZED_NAMES, kv_bytes_per_token
 
     config = loaded.config
     per_token = {
         name: kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
-        for name, dtype in (("bfloat16", "bfloat16"), ("fp8_e4m3", FP8_NAMES["fp8_e4m3"]))
+        for name, dtype in (("bfloat16", "bfloat16"), ("fp8_e4m3", QUANTIZED_NAMES["fp8_e4m3"]), ("int8", "int8"))
     }
     max_model_len, page_size = 2048, 16
     lengths = mp.lognormal_lengths(1000, 300, max_model_len, FLAGS.seed)
@@ -236,10 +236,11 @@ def pressure_markdown(result: dict) -> str:
         "| KV | bytes/token | token capacity | concurrent sequences |",
         "|---|---:|---:|---:|",
         f"| bf16 | {b['bytes_per_token']['bfloat16']} | {b['bf16_tokens']} | {b['bf16_concurrency']} |",
-        f"| fp8 e4m3 + scales | {b['bytes_per_token']['fp8_e4m3']} | {b['fp8_tokens']} | {b['fp8_concurrency']} |",
+        f"| fp8 e4m3 (or int8) + bf16 scales | {b['bytes_per_token']['fp8_e4m3']} | {b['fp8_tokens']} | "
+        f"{b['fp8_concurrency']} |",
         f"| ratio | | {b['capacity_ratio']:.2f}x | {b['concurrency_ratio']:.2f}x |",
         "",
-        "(c) Overload: 25% of demand (random Llama, CPU)",
+        "(c) Overload: 25% of demand (random Llama, CPU; each mode warmed up before any is timed)",
         "",
         "| preemption | finished | tok/s | recompute | swap | pages swapped | tokens recomputed |",
         "|---|---:|---:|---:|---:|---:|---:|",

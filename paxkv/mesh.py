@@ -1,0 +1,122 @@
+"""The device mesh: parsing `data=D,model=M`, building the ("data", "model") mesh, and the page pool's sharding."""
+
+import logging
+import math
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from pallas_kernels import QuantizedKVPages
+
+logger = logging.getLogger(__name__)
+
+MESH_AXES = ("data", "model")
+
+
+def parse_mesh_shape(mesh_shape: str | dict | None) -> dict[str, int] | None:
+    """`"data=1,model=4"` (or a dict) as {"data": 1, "model": 4}; None stays None (the default mesh).
+
+    Args:
+      mesh_shape: a comma-separated list of axis=size, a dict of the same, or None.
+    """
+    if mesh_shape is None or mesh_shape == "":
+        return None
+    if isinstance(mesh_shape, str):
+        sizes = {}
+        for part in mesh_shape.split(","):
+            name, sep, size = part.partition("=")
+            if not sep or not size.strip().lstrip("-").isdigit():
+                raise ValueError(f"mesh {mesh_shape!r}: {part!r} is not axis=size; write e.g. 'data=1,model=4'")
+            sizes[name.strip()] = int(size)
+    elif isinstance(mesh_shape, dict):
+        sizes = dict(mesh_shape)
+    else:
+        raise ValueError(f"mesh_shape must be a string like 'data=1,model=4' or a dict, not {mesh_shape!r}")
+    unknown = sorted(set(sizes) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"mesh {mesh_shape!r}: unknown axis {unknown[0]!r}; the axes are {MESH_AXES}")
+    for name, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"mesh {mesh_shape!r}: axis {name!r} has size {size!r}; sizes are positive integers")
+    return {axis: sizes.get(axis, 1) for axis in MESH_AXES}
+
+
+def make_mesh(mesh_shape: str | dict | None = None, devices=None) -> Mesh:
+    """The ("data", "model") mesh over `devices` (default: this process's devices, or all of them multi-host).
+
+    Without a shape every device goes on "model" (tensor parallelism), except on CPU, where forced host
+    devices share the same cores and sharding gains nothing: there the default is one device.
+
+    Args:
+      mesh_shape: "data=D,model=M", a dict, or None for the default.
+      devices: the devices to lay out; default jax.devices().
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = parse_mesh_shape(mesh_shape)
+    if sizes is None:
+        on_cpu = devices[0].platform == "cpu"
+        sizes = {"data": 1, "model": 1 if on_cpu else len(devices)}
+        devices = devices[: sizes["model"]]
+    needed = math.prod(sizes.values())
+    if needed != len(devices):
+        raise ValueError(
+            f"mesh data={sizes['data']},model={sizes['model']} needs {needed} devices, but {len(devices)} are "
+            f"available ({devices[0].platform}); choose sizes whose product is {len(devices)}"
+        )
+    grid = [[devices[d * sizes["model"] + m] for m in range(sizes["model"])] for d in range(sizes["data"])]
+    return Mesh(np.asarray(grid, dtype=object), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def kv_heads_sharded(num_kv_heads: int, mesh: Mesh) -> bool:
+    """Whether the pool's KV heads split over "model"; if not, every model shard holds all of them."""
+    return num_kv_heads % mesh.shape["model"] == 0
+
+
+def pool_sharding(pool, num_kv_heads: int, mesh: Mesh):
+    """A sharding pytree for one layer's pool: KV heads on "model" when they divide it, else replicated.
+
+    Args:
+      pool: one layer's page pool ([num_pages, page_size, 2K, D] array or QuantizedKVPages).
+      num_kv_heads: K.
+      mesh: the device mesh.
+    """
+    heads = "model" if kv_heads_sharded(num_kv_heads, mesh) else None
+    pages = NamedSharding(mesh, PartitionSpec(None, None, heads, None))
+    if isinstance(pool, QuantizedKVPages):
+        scales = NamedSharding(mesh, PartitionSpec(None, heads, None))  # [num_pages, 2K, page_size]
+        return QuantizedKVPages(pages=pages, scales=scales, value_dtype=pool.value_dtype)
+    return pages
+
+
+def describe_kv_layout(model_name: str, num_kv_heads: int, num_heads: int, mesh: Mesh) -> str:
+    """One log line saying how attention and the pool lie on the mesh, loudly when KV heads are replicated."""
+    model_size = mesh.shape["model"]
+    if model_size == 1:
+        return f"mesh data={mesh.shape['data']},model=1: no tensor parallelism"
+    if kv_heads_sharded(num_kv_heads, mesh):
+        return (
+            f"mesh data={mesh.shape['data']},model={model_size}: {num_kv_heads} KV heads and the page pool split "
+            f"{num_kv_heads // model_size} per model shard"
+        )
+    return (
+        f"mesh data={mesh.shape['data']},model={model_size}: {model_name} has {num_kv_heads} KV heads "
+        f"({num_heads} query heads), which do not divide model={model_size}, so the K/V projections, the KV "
+        f"heads and the page pool are REPLICATED on every model shard (KV memory per device x{model_size}); "
+        "query heads split only where they divide it, and the MLP and vocabulary stay split. Choose model = a "
+        f"divisor of {num_kv_heads} to split the KV heads"
+    )
+
+
+def load_on_mesh(source, mesh_shape: str | dict | None, **load_kwargs):
+    """models.load onto the mesh `mesh_shape` describes; a one-device mesh loads plainly.
+
+    Args:
+      source: what models.load accepts.
+      mesh_shape: "data=D,model=M", a dict, or None for the default mesh (see make_mesh).
+      **load_kwargs: the rest of models.load's arguments.
+    """
+    import models
+
+    mesh = make_mesh(mesh_shape)
+    return models.load(source, mesh=mesh if mesh.size > 1 else None, **load_kwargs)

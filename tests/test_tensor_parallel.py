@@ -1,0 +1,225 @@
+"""Tensor parallelism on 8 fake CPU devices: same greedy tokens as one device, every array where the rules say."""
+
+import collections
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import models
+import paxkv.engine as engine_module
+from models.sharding import attention_on_mesh
+from pallas_kernels import AttentionMetadata
+from paxkv import LLM
+from paxkv.config import EngineConfig
+from paxkv.engine import Engine
+from paxkv.mesh import load_on_mesh, make_mesh, parse_mesh_shape
+from paxkv.sampling_params import SamplingParams
+
+# Written out here, independently of models/sharding.py: where each parameter's axes go under tensor
+# parallelism (q/k/v/gate/up by output columns, o/down by input rows, embedding and lm_head by vocab).
+EXPECTED_SPECS = {
+    "q_proj": P(None, "model", None),
+    "k_proj": P(None, "model", None),
+    "v_proj": P(None, "model", None),
+    "o_proj": P("model", None, None),
+    "gate": P(None, "model"),
+    "up": P(None, "model"),
+    "down": P("model", None),
+    "embed": P("model", None),
+    "lm_head": P(None, "model"),
+}
+
+
+@pytest.fixture(scope="module")
+def eight_kv_heads(tmp_path_factory, make_tiny_llama):
+    """A tiny Llama whose 8 KV heads (16 query heads) split over model = 1, 2, 4 or 8."""
+    path = tmp_path_factory.mktemp("tp_llama")
+    make_tiny_llama(
+        hidden_size=128,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=16,
+        intermediate_size=256,
+        initializer_range=0.1,
+    ).save_pretrained(path)
+    return path
+
+
+def _spec(array_or_spec) -> tuple:
+    """A PartitionSpec (or an array's) without trailing Nones, so P(None,) and P() both read as replicated."""
+    spec = tuple(getattr(getattr(array_or_spec, "sharding", None), "spec", array_or_spec))
+    while spec and spec[-1] is None:
+        spec = spec[:-1]
+    return spec
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(1, vocab_size, n).tolist() for n in (5, 17, 33, 9)]
+
+
+def _greedy(loaded, prompts, **config) -> tuple[Engine, list[list[int]]]:
+    engine = Engine(loaded, EngineConfig(page_size=8, num_pages=64, max_num_seqs=4, **config))
+    for index, prompt in enumerate(prompts):
+        engine.add_request(str(index), prompt, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    return engine, [outputs[str(i)] for i in range(len(prompts))]
+
+
+def _on_mesh(path, model_size: int, **load_kwargs):
+    mesh = make_mesh(f"data=1,model={model_size}", jax.devices()[:model_size])
+    return models.load(path, mesh=mesh, require_tokenizer=False, **load_kwargs)
+
+
+def test_greedy_tokens_match_one_device_for_every_model_size(eight_kv_heads):
+    single = models.load(eight_kv_heads, require_tokenizer=False)
+    prompts = _prompts(single.config.vocab_size)
+    _, expected = _greedy(single, prompts)
+    for model_size in (1, 2, 4, 8):
+        loaded = _on_mesh(eight_kv_heads, model_size)
+        for path, variable in nnx.to_flat_state(loaded.state):
+            array = variable.get_value()
+            spec = EXPECTED_SPECS.get(path[-1], P())  # norms are replicated
+            assert _spec(array) == _spec(spec), (model_size, path, array.sharding.spec)
+            if spec != P():
+                split = spec.index("model")
+                assert array.addressable_shards[0].data.shape[split] * model_size == array.shape[split]
+        engine, tokens = _greedy(loaded, prompts)
+        assert tokens == expected, model_size
+        if model_size == 1:
+            continue  # a one-device mesh runs the plain single-device engine
+        for layer in engine.kv_caches:  # KV heads (axis 2 of [pages, page_size, 2K, D]) split on model
+            assert _spec(layer) == _spec(P(None, None, "model", None))
+            assert layer.addressable_shards[0].data.shape[2] * model_size == layer.shape[2]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_pool_shards_its_scales_with_its_heads(eight_kv_heads, kv_cache_dtype):
+    single = models.load(eight_kv_heads, require_tokenizer=False)
+    prompts = _prompts(single.config.vocab_size)
+    _, expected = _greedy(single, prompts, kv_cache_dtype=kv_cache_dtype)
+    engine, tokens = _greedy(_on_mesh(eight_kv_heads, 4), prompts, kv_cache_dtype=kv_cache_dtype)
+    assert tokens == expected
+    layer = engine.kv_caches[0]
+    assert _spec(layer.pages) == _spec(P(None, None, "model", None))
+    assert _spec(layer.scales) == _spec(P(None, "model", None))  # [pages, 2K, page_size]
+
+
+@pytest.mark.parametrize("attention_impl", ["interpret_gpu", "interpret_tpu"])
+def test_pallas_kernels_run_per_shard_under_the_mesh(eight_kv_heads, attention_impl):
+    """The Pallas path runs inside shard_map (models.sharding.attention_on_mesh) and matches the XLA path."""
+    prompts = _prompts(256)[:2]
+    _, expected = _greedy(_on_mesh(eight_kv_heads, 2, attention_impl="xla"), prompts, kv_cache_dtype="int8")
+    _, tokens = _greedy(_on_mesh(eight_kv_heads, 2, attention_impl=attention_impl), prompts, kv_cache_dtype="int8")
+    assert tokens == expected
+    # The kernel call itself sits inside a shard_map under the mesh; the XLA path is left to the partitioner.
+    q, kv = jnp.zeros((4, 16, 16)), jnp.zeros((4, 8, 16))
+    pool = jnp.zeros((3, 8, 16, 16))
+    metadata = AttentionMetadata(
+        slots=jnp.arange(8, 12, dtype=jnp.int32),
+        block_tables=jnp.asarray([[1, 2]], jnp.int32),
+        cu_q_lens=jnp.asarray([0, 4], jnp.int32),
+        kv_lens=jnp.asarray([4], jnp.int32),
+        num_seqs=jnp.asarray([1], jnp.int32),
+    )
+    with jax.set_mesh(make_mesh("model=2", jax.devices()[:2])):
+        for impl, wrapped in ((attention_impl, True), ("xla", False)):
+            jaxpr = jax.make_jaxpr(
+                lambda q, k, v, pool, md, impl=impl: attention_on_mesh(
+                    q, k, v, pool, md, attention_impl=impl, sm_scale=0.25
+                )
+            )(q, kv, kv, pool, metadata)
+            assert ("shard_map" in str(jaxpr)) == wrapped, impl
+
+
+def _collectives(loaded) -> collections.Counter:
+    """Collective ops in the compiled text of the engine's step, as it ran on `loaded`."""
+    captured = []
+    step = engine_module.engine_step
+
+    def abstract(x):
+        return (
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)) if hasattr(x, "shape") else x
+        )
+
+    def spy(graph, *args):
+        captured.append((graph, jax.tree.map(abstract, args)))
+        return step(graph, *args)
+
+    engine_module.engine_step = spy
+    try:
+        _greedy(loaded, [[1, 2, 3, 4, 5]])
+    finally:
+        engine_module.engine_step = step
+    graph, args = captured[-1]
+    with jax.set_mesh(loaded.mesh):
+        text = step.lower(graph, *args).compile().as_text()
+    return collections.Counter(
+        re.findall(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", text)
+    )
+
+
+def test_step_holds_two_all_reduces_per_layer(eight_kv_heads):
+    loaded = _on_mesh(eight_kv_heads, 2)
+    counts = _collectives(loaded)
+    # One after the attention's output projection and one after the MLP's down projection in each layer,
+    # plus one for the vocab-split embedding lookup; the logits are gathered for sampling.
+    assert counts["all-reduce"] == 2 * loaded.config.num_layers + 1, counts
+    assert counts["all-gather"] >= 1 and counts["all-to-all"] == 0, counts
+
+
+def test_smollm2_replicates_its_three_kv_heads_on_model_2(caplog):
+    """SmolLM2's 3 KV heads do not divide model=2: the pool and K/V are replicated, loudly, and tokens match."""
+    single = models.load(None)
+    prompts = [single.tokenizer.encode("The capital of France is"), single.tokenizer.encode("1, 2, 3,")]
+    _, expected = _greedy(single, prompts)
+    loaded = _on_mesh(None, 2)
+    with caplog.at_level(logging.WARNING, logger="paxkv.engine"):
+        engine, tokens = _greedy(loaded, prompts)
+    assert tokens == expected
+    assert "REPLICATED" in caplog.text and "3 KV heads" in caplog.text
+    assert _spec(engine.kv_caches[0]) == ()
+    state = {path[-1]: variable.get_value() for path, variable in nnx.to_flat_state(loaded.state)}
+    assert _spec(state["k_proj"]) == ()  # 3 heads: replicated
+    assert state["gate"].sharding.spec == P(None, "model")  # the MLP is still split
+    counts = _collectives(loaded)
+    assert counts["all-reduce"] == loaded.config.num_layers + 1, counts  # the MLP's, and the embedding's
+
+
+def test_llm_and_config_take_a_mesh_shape(eight_kv_heads):
+    llm = LLM(eight_kv_heads, skip_tokenizer_init=True, mesh_shape="data=1,model=8", num_pages=64, page_size=8)
+    assert dict(llm.loaded.mesh.shape) == {"data": 1, "model": 8}
+    outputs = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+    assert len(outputs[0].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="but the model was loaded on data=1,model=1"):
+        Engine(models.load(eight_kv_heads, require_tokenizer=False), EngineConfig(mesh_shape="model=8"))
+
+
+@pytest.mark.parametrize(
+    "mesh_shape,message",
+    [
+        ("data=1,model=3", r"needs 3 devices, but 8 are available"),
+        ("data=1,pipeline=8", r"unknown axis 'pipeline'"),
+        ("model:8", r"is not axis=size"),
+        ("model=0", r"sizes are positive integers"),
+    ],
+)
+def test_bad_meshes_name_the_problem(mesh_shape, message):
+    with pytest.raises(ValueError, match=message):
+        make_mesh(mesh_shape)
+
+
+def test_bad_mesh_in_config_and_data_parallel_not_yet(eight_kv_heads):
+    with pytest.raises(ValueError, match="unknown axis 'tensor'"):
+        EngineConfig(mesh_shape="tensor=2")
+    assert parse_mesh_shape({"model": 4}) == {"data": 1, "model": 4}
+    with pytest.raises(ValueError, match="data parallelism is not implemented yet"):
+        Engine(load_on_mesh(eight_kv_heads, "data=2,model=4", require_tokenizer=False), EngineConfig())
