@@ -9,8 +9,9 @@ import numpy as np
 
 import models
 from paxkv.config import EngineConfig
+from paxkv.distributed import agree_across_processes, host_value
 from paxkv.kv_cache import allocate_pool, kv_bytes_per_token, kv_storage_dtype
-from paxkv.mesh import describe_kv_layout, kv_heads_sharded, parse_mesh_shape
+from paxkv.mesh import engine_mesh
 from paxkv.metrics import EngineMetrics
 from paxkv.outputs import RequestMetrics, RequestOutput
 from paxkv.page_allocator import PageAllocator
@@ -52,6 +53,9 @@ class Engine:
             model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, kv_dtype
         )
         num_pages = config.num_pages or config.kv_cache_memory_bytes // (bytes_per_token * config.page_size)
+        preemption_mode = config.preemption_mode
+        if jax.process_count() > 1:
+            num_pages, preemption_mode = agree_across_processes(num_pages, preemption_mode)
         if num_pages - 1 < config.max_num_seqs:
             source = (
                 f"num_pages={num_pages}"
@@ -63,26 +67,7 @@ class Engine:
                 f"one page for each of max_num_seqs={config.max_num_seqs} sequences; raise num_pages or "
                 "kv_cache_memory_bytes, or lower max_num_seqs"
             )
-        if config.mesh_shape is not None:
-            wanted = parse_mesh_shape(config.mesh_shape)
-            have = dict(loaded.mesh.shape) if loaded.mesh is not None else {"data": 1, "model": 1}
-            if wanted != have:
-                raise ValueError(
-                    f"mesh_shape={config.mesh_shape!r}, but the model was loaded on data={have['data']},"
-                    f"model={have['model']}; load it with paxkv.mesh.load_on_mesh(source, mesh_shape), as LLM and "
-                    "the CLI do"
-                )
-        self.mesh = loaded.mesh if loaded.mesh is not None and loaded.mesh.size > 1 else None
-        if self.mesh is not None:
-            if self.mesh.shape["data"] > 1:
-                raise ValueError(
-                    f"mesh data={self.mesh.shape['data']}: data parallelism is not implemented yet; use data=1 "
-                    "and put the devices on model"
-                )
-            layout = describe_kv_layout(
-                model_config.model_type, model_config.num_kv_heads, model_config.num_heads, self.mesh
-            )
-            (logger.info if kv_heads_sharded(model_config.num_kv_heads, self.mesh) else logger.warning)(layout)
+        self.mesh = engine_mesh(loaded, config.mesh_shape)
         self.allocator = PageAllocator(num_pages)
         self.prefix_trie = PrefixTrie(self.allocator, config.page_size) if config.enable_prefix_caching else None
         try:
@@ -94,14 +79,14 @@ class Engine:
                 "lower kv_cache_memory_bytes or num_pages"
             ) from None
         bytes_per_page = bytes_per_token * config.page_size
-        num_host_slots = config.swap_space_bytes // bytes_per_page if config.preemption_mode != "recompute" else 0
-        if config.preemption_mode == "swap" and num_host_slots == 0:
+        num_host_slots = config.swap_space_bytes // bytes_per_page if preemption_mode != "recompute" else 0
+        if preemption_mode == "swap" and num_host_slots == 0:
             raise ValueError(
                 f"preemption_mode='swap' needs a host pool of at least one page ({bytes_per_page} bytes), but "
                 f"swap_space_bytes={config.swap_space_bytes}; raise swap_space_bytes or use 'auto' or 'recompute'"
             )
         self.swap_space = HostSwapSpace(self.kv_caches, num_host_slots) if num_host_slots else None
-        self.preemption = PreemptionPolicy(config.preemption_mode, bytes_per_page, num_host_slots)
+        self.preemption = PreemptionPolicy(preemption_mode, bytes_per_page, num_host_slots)
         self.scheduler = Scheduler(
             self.allocator,
             page_size=config.page_size,
@@ -278,7 +263,7 @@ class Engine:
         self._move_pages(batch)
         step_start = time.monotonic()
         sampled_tokens = self._run(batch)
-        tokens = np.asarray(sampled_tokens.tokens)
+        tokens = host_value(sampled_tokens.tokens)
         if batch.num_batched_tokens >= self.config.max_num_batched_tokens // 2:  # mostly prefill: a rate to plan by
             self.preemption.observe_prefill(batch.num_batched_tokens, time.monotonic() - step_start)
         sampled = {}
@@ -299,7 +284,7 @@ class Engine:
             group.metrics.first_token_time = group.metrics.first_token_time or now
             group.metrics.num_generated_tokens += 1
             if sample.request.sampling_params.logprobs is not None:
-                host_logprobs = host_logprobs or jax.device_get(sampled_tokens)
+                host_logprobs = host_logprobs or jax.tree.map(host_value, sampled_tokens)
                 append_logprobs(sample, host_logprobs, row, self.loaded.tokenizer)
             self._append_text(sample, sampled[request_id])
             if sample.request.is_finished:

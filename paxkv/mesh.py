@@ -45,8 +45,8 @@ def parse_mesh_shape(mesh_shape: str | dict | None) -> dict[str, int] | None:
 def make_mesh(mesh_shape: str | dict | None = None, devices=None) -> Mesh:
     """The ("data", "model") mesh over `devices` (default: this process's devices, or all of them multi-host).
 
-    Without a shape every device goes on "model" (tensor parallelism), except on CPU, where forced host
-    devices share the same cores and sharding gains nothing: there the default is one device.
+    Without a shape every device goes on "model" (tensor parallelism), except in a one-process CPU run,
+    where forced host devices share the same cores and sharding gains nothing: there it is one device.
 
     Args:
       mesh_shape: "data=D,model=M", a dict, or None for the default.
@@ -55,7 +55,8 @@ def make_mesh(mesh_shape: str | dict | None = None, devices=None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     sizes = parse_mesh_shape(mesh_shape)
     if sizes is None:
-        on_cpu = devices[0].platform == "cpu"
+        # One device on CPU (forced host devices share the cores), unless the run spans processes.
+        on_cpu = devices[0].platform == "cpu" and jax.process_count() == 1
         sizes = {"data": 1, "model": 1 if on_cpu else len(devices)}
         devices = devices[: sizes["model"]]
     needed = math.prod(sizes.values())
@@ -120,3 +121,30 @@ def load_on_mesh(source, mesh_shape: str | dict | None, **load_kwargs):
 
     mesh = make_mesh(mesh_shape)
     return models.load(source, mesh=mesh if mesh.size > 1 else None, **load_kwargs)
+
+
+def engine_mesh(loaded, mesh_shape: str | dict | None) -> Mesh | None:
+    """The mesh an engine runs `loaded` on (None for one device), checked against `mesh_shape` and logged.
+
+    Args:
+      loaded: a models.LoadedModel, placed on its mesh by load_on_mesh or models.load(mesh=...).
+      mesh_shape: the engine config's mesh_shape; when set, the model's mesh must have that shape.
+    """
+    have = dict(loaded.mesh.shape) if loaded.mesh is not None else {"data": 1, "model": 1}
+    if mesh_shape is not None and parse_mesh_shape(mesh_shape) != have:
+        raise ValueError(
+            f"mesh_shape={mesh_shape!r}, but the model was loaded on data={have['data']},model={have['model']}; "
+            "load it with paxkv.mesh.load_on_mesh(source, mesh_shape), as LLM and the CLI do"
+        )
+    if loaded.mesh is None or loaded.mesh.size == 1:
+        return None
+    mesh = loaded.mesh
+    if mesh.shape["data"] > 1:
+        raise ValueError(
+            f"mesh data={mesh.shape['data']}: data parallelism is not implemented yet; use data=1 and put the "
+            "devices on model"
+        )
+    config = loaded.config
+    layout = describe_kv_layout(config.model_type, config.num_kv_heads, config.num_heads, mesh)
+    (logger.info if kv_heads_sharded(config.num_kv_heads, mesh) else logger.warning)(layout)
+    return mesh

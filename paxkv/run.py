@@ -4,6 +4,7 @@ paxkv --chat --prompt "What is the capital of France?" --max_tokens 24 --tempera
 paxkv --prompts_file prompts.jsonl --output results.jsonl --max_num_seqs 64
 """
 
+import io
 import json
 import re
 import sys
@@ -53,6 +54,11 @@ flags.DEFINE_float("watermark", 0.01, "Fraction of the pool admission keeps free
 flags.DEFINE_string(
     "mesh", None, "Device mesh, e.g. data=1,model=4 (default: every device on model; one device on CPU)."
 )
+flags.DEFINE_string("coordinator_address", None, "Multi-process: process 0's HOST:PORT, the same on every process.")
+flags.DEFINE_integer("num_processes", None, "Multi-process: how many processes take part.")
+flags.DEFINE_integer("process_id", None, "Multi-process: this process's index in [0, num_processes).")
+flags.DEFINE_integer("distributed_timeout", 300, "Multi-process: seconds to wait for every process to join.")
+flags.DEFINE_bool("distributed_auto", False, "Multi-process: let JAX find the cluster (TPU pod slices, SLURM).")
 flags.DEFINE_bool("plan", False, "Print the KV memory plan for --model (a config.json is enough) and exit.")
 flags.DEFINE_enum("attention_impl", "auto", ["auto", "pallas", "interpret", "xla"], "Attention implementation.")
 flags.DEFINE_string(
@@ -97,6 +103,7 @@ def _sampling_defaults() -> dict:
 
 def _collect_lines(defaults: dict):
     """Every request to run, as PromptLine or BadLine, from --prompt then --prompts_file."""
+    from paxkv.distributed import broadcast_json, is_leader
     from paxkv.prompts_file import BadLine, PromptLine, parse_lines
     from paxkv.sampling_params import SamplingParams
 
@@ -109,13 +116,11 @@ def _collect_lines(defaults: dict):
         messages = [{"role": "user", "content": prompt}] if FLAGS.chat else None
         lines.append(PromptLine(None, f"prompt-{index}", None if FLAGS.chat else prompt, messages, params))
     if FLAGS.prompts_file:
-        try:
-            with open(FLAGS.prompts_file, encoding="utf-8") as f:
-                lines += parse_lines(f, defaults, FLAGS.prompts_file)
-        except OSError as e:
-            raise app.UsageError(f"cannot read --prompts_file: {e}") from None
-        except UnicodeDecodeError as e:
-            raise app.UsageError(f"--prompts_file {FLAGS.prompts_file} is not UTF-8 text ({e.reason})") from None
+        # Process 0 reads the file and every process gets its text, so all run the same requests.
+        text, error = broadcast_json(_read_prompts_file() if is_leader() else None)
+        if error:
+            raise app.UsageError(error)
+        lines += parse_lines(io.StringIO(text), defaults, FLAGS.prompts_file)
     if not lines:
         raise app.UsageError("nothing to run: give --prompt (repeatable) or --prompts_file")
     bad = [line for line in lines if isinstance(line, BadLine)]
@@ -123,6 +128,17 @@ def _collect_lines(defaults: dict):
         errors = "\n".join(line.error for line in bad)
         sys.exit(f"paxkv: {len(bad)} bad line(s); fix them or pass --skip_bad_lines to run the rest:\n{errors}")
     return lines
+
+
+def _read_prompts_file() -> tuple[str | None, str | None]:
+    """(the --prompts_file text, None), or (None, why it cannot be read)."""
+    try:
+        with open(FLAGS.prompts_file, encoding="utf-8") as f:
+            return f.read(), None
+    except OSError as e:
+        return None, f"cannot read --prompts_file: {e}"
+    except UnicodeDecodeError as e:
+        return None, f"--prompts_file {FLAGS.prompts_file} is not UTF-8 text ({e.reason})"
 
 
 def _summary(engine, wall_seconds: float, num_failed: int) -> dict:
@@ -208,6 +224,20 @@ def main(argv):
     if FLAGS.plan:
         _print_plan()
         return
+    from paxkv.distributed import initialize, is_leader
+
+    try:
+        initialize(
+            FLAGS.coordinator_address,
+            FLAGS.num_processes,
+            FLAGS.process_id,
+            timeout_seconds=FLAGS.distributed_timeout,
+            auto_detect=FLAGS.distributed_auto,
+        )
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    except RuntimeError as e:
+        sys.exit(f"paxkv: {e}")
     lines = _collect_lines(_sampling_defaults())
     try:
         engine_config_kwargs = dict(
@@ -245,24 +275,28 @@ def main(argv):
     except (CheckpointError, ValueError) as e:
         sys.exit(f"paxkv: {e}")
     num_pages, page_size = engine.allocator.num_total_pages, engine_config.page_size
-    print(
-        f"# model {loaded.source} ({loaded.config.model_type}, {loaded.config.num_layers} layers), loaded in "
-        f"{loaded.load_seconds:.1f} s\n# KV pool: {num_pages} pages of {page_size} tokens = {num_pages * page_size} "
-        f"tokens of {engine.kv_dtype.name}, {engine.kv_bytes_per_token} bytes per token (8-bit scales included), "
-        f"{engine.kv_cache_bytes / 2**20:.0f} MiB",
-        file=sys.stderr,
-    )
-    stream = FLAGS.output is None and len(lines) == 1
+    leader = is_leader()  # only process 0 writes outputs and metrics; every process computes
+    if leader:
+        print(
+            f"# model {loaded.source} ({loaded.config.model_type}, {loaded.config.num_layers} layers), loaded in "
+            f"{loaded.load_seconds:.1f} s\n# KV pool: {num_pages} pages of {page_size} tokens = "
+            f"{num_pages * page_size} tokens of {engine.kv_dtype.name}, {engine.kv_bytes_per_token} bytes per "
+            f"token (8-bit scales included), {engine.kv_cache_bytes / 2**20:.0f} MiB",
+            file=sys.stderr,
+        )
+    stream = FLAGS.output is None and len(lines) == 1 and leader
     try:
         records, wall_seconds = run_lines(
             engine,
             lines,
             skip_bad_lines=FLAGS.skip_bad_lines,
             stream_to=sys.stdout if stream else None,
-            progress=FLAGS.progress and not stream,
+            progress=FLAGS.progress and not stream and leader,
         )
     except BadRequestsError as e:
         sys.exit(f"paxkv: {len(e.errors)} request(s) cannot run; fix them or pass --skip_bad_lines:\n{e}")
+    if not leader:
+        return
     num_failed = sum("error" in record for record in records)
     if FLAGS.output:
         with open(FLAGS.output, "w", encoding="utf-8") as f:

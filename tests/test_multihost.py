@@ -1,0 +1,160 @@
+"""Multi-process runs on 127.0.0.1: two processes of two CPU devices each give the single-process outputs."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import tokenizers
+
+from paxkv import distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(253)]
+PROMPTS = ["w1 w2 w3 w4 w5", "w7 w8 w9", "w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, make_tiny_llama):
+    """A tiny Llama (4 KV heads, so model=4 splits them) with a word-level tokenizer, and a prompts file."""
+    directory = tmp_path_factory.mktemp("multihost")
+    make_tiny_llama(num_attention_heads=8, num_key_value_heads=4, initializer_range=0.1).save_pretrained(directory)
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    prompts = directory / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return directory, prompts
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int = 2) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices), PYTHONPATH=ROOT)
+    env.pop("XLA_FLAGS", None)  # conftest forces 8 host devices; each process here has its own count
+    return env
+
+
+def _run_flags(model_dir, prompts) -> list[str]:
+    return [
+        f"--model={model_dir}",
+        f"--prompts_file={prompts}",
+        "--max_tokens=8",
+        "--temperature=0",
+        "--attention_impl=xla",
+        "--num_pages=64",
+        "--page_size=8",
+        "--max_num_seqs=4",
+    ]
+
+
+def _tokens(path) -> list[list[int]]:
+    with open(path) as f:
+        return [json.loads(line)["token_ids"] for line in f]
+
+
+def test_two_processes_match_one_and_only_process_0_writes(tiny_model, tmp_path):
+    model_dir, prompts = tiny_model
+    flags = _run_flags(model_dir, prompts)
+    single = subprocess.run(
+        [sys.executable, "-m", "paxkv.run", *flags, f"--output={tmp_path / 'single.jsonl'}"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert single.returncode == 0, single.stderr[-2000:]
+    port = _free_port()
+    processes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "paxkv.run",
+                *flags,
+                "--mesh=data=1,model=4",  # spans both processes' devices: the collectives cross them
+                f"--coordinator_address=127.0.0.1:{port}",
+                "--num_processes=2",
+                f"--process_id={i}",
+                f"--output={tmp_path / f'out-{i}.jsonl'}",
+                f"--metrics_json={tmp_path / f'metrics-{i}.json'}",
+            ],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    results = [p.communicate(timeout=300) for p in processes]
+    for process, (_, stderr) in zip(processes, results, strict=True):
+        assert process.returncode == 0, stderr[-2000:]
+    assert _tokens(tmp_path / "out-0.jsonl") == _tokens(tmp_path / "single.jsonl")
+    assert len(_tokens(tmp_path / "single.jsonl")) == len(PROMPTS)
+    assert (tmp_path / "metrics-0.json").exists()
+    assert not (tmp_path / "out-1.jsonl").exists() and not (tmp_path / "metrics-1.json").exists()
+    assert "requests finished" in results[0][1] and "requests finished" not in results[1][1]
+
+
+def test_launch_script_runs_the_cli_across_two_processes(tiny_model, tmp_path):
+    model_dir, prompts = tiny_model
+    output = tmp_path / "out.jsonl"
+    env = dict(_env(), PYTHON=sys.executable, PAXKV_LOG_DIR=str(tmp_path / "logs"))
+    result = subprocess.run(
+        [
+            "bash",
+            os.path.join(ROOT, "scripts", "launch_multihost.sh"),
+            "2",
+            *_run_flags(model_dir, prompts),
+            "--mesh=data=1,model=4",
+            f"--output={output}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert len(_tokens(output)) == len(PROMPTS)
+    assert "3 requests finished" in result.stderr  # process 0's summary
+    assert "requests finished" not in (tmp_path / "logs" / "process-1.log").read_text()
+
+
+def test_processes_without_a_coordinator_are_refused():
+    with pytest.raises(ValueError, match="without a coordinator; pass --coordinator_address"):
+        distributed.initialize(None, 2, 0)
+    with pytest.raises(ValueError, match="is not HOST:PORT"):
+        distributed.initialize("localhost", 2, 0)
+    with pytest.raises(ValueError, match=r"process_id=2 must lie in \[0, num_processes=2\)"):
+        distributed.initialize("127.0.0.1:1234", 2, 2)
+    assert distributed.initialize() is False  # no flags: a single-process run, nothing started
+
+
+def test_unreachable_coordinator_fails_after_the_timeout_with_a_clear_error(tmp_path):
+    """Process 1 of 2 waits for a coordinator nobody started, and gives up after --distributed_timeout."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "paxkv.run",
+            "--prompt=w1",
+            f"--coordinator_address=127.0.0.1:{_free_port()}",
+            "--num_processes=2",
+            "--process_id=1",
+            "--distributed_timeout=3",
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "could not join the multi-process run at 127.0.0.1:" in result.stderr
+    assert "within 3 s" in result.stderr and "Traceback" not in result.stderr
