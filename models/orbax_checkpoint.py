@@ -17,6 +17,7 @@ from models.tokenizer import Tokenizer
 MARKER = "paxkv_checkpoint.json"
 PARAMS_DIR = "params"
 FORMAT_VERSION = 1
+CHUNK_BYTES = 4 << 20
 
 
 def save_orbax(loaded, directory: str) -> None:
@@ -31,8 +32,12 @@ def save_orbax(loaded, directory: str) -> None:
     params_dir = os.path.join(directory, PARAMS_DIR)
     if os.path.exists(params_dir):
         raise FileExistsError(f"{params_dir} already exists; choose an empty output folder")
+    params = nnx.to_pure_dict(loaded.state)
+    # Chunks of at most CHUNK_BYTES, so a restore onto a mesh reads only the chunks its own shards cover
+    # (one chunk per array would make every host read, and hold, whole arrays).
+    save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), params)
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(params_dir, nnx.to_pure_dict(loaded.state))
+    checkpointer.save(params_dir, params, save_args=save_args)
     checkpointer.wait_until_finished()
     if loaded.tokenizer is not None:
         loaded.tokenizer.save(directory)

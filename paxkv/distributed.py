@@ -29,8 +29,9 @@ def initialize(
     """Join a multi-process run; return whether one was started.
 
     With `coordinator_address` (host:port), `num_processes` and `process_id` this process joins that
-    run. With `auto_detect` (TPU pods, SLURM and the like) JAX finds them itself. With neither,
-    nothing happens: a single-process run.
+    run; when none is given they come from PAXKV_COORDINATOR_ADDRESS, PAXKV_NUM_PROCESSES and
+    PAXKV_PROCESS_ID if set. With `auto_detect` (TPU pods, SLURM and the like) JAX finds them itself.
+    With neither, nothing happens: a single-process run.
 
     Args:
       coordinator_address: process 0's host:port; every process gives the same one.
@@ -39,6 +40,11 @@ def initialize(
       timeout_seconds: how long to wait for the coordinator before failing.
       auto_detect: let jax.distributed find the cluster (TPU pod slices, SLURM, ...).
     """
+    if coordinator_address is None and num_processes is None and process_id is None:
+        from_environment = environment_defaults()
+        coordinator_address = from_environment.get("coordinator_address")
+        num_processes = from_environment.get("num_processes")
+        process_id = from_environment.get("process_id")
     if coordinator_address is None and num_processes is None and process_id is None:
         if not auto_detect:
             return False
@@ -139,8 +145,11 @@ def environment_defaults() -> dict:
     if os.environ.get("PAXKV_COORDINATOR_ADDRESS"):
         values["coordinator_address"] = os.environ["PAXKV_COORDINATOR_ADDRESS"]
     for key, name in (("num_processes", "PAXKV_NUM_PROCESSES"), ("process_id", "PAXKV_PROCESS_ID")):
-        if os.environ.get(name):
-            values[key] = int(os.environ[name])
+        text = os.environ.get(name, "").strip()
+        if text:
+            if not text.isdigit():
+                raise ValueError(f"{name}={text!r} is not a non-negative integer")
+            values[key] = int(text)
     return values
 
 

@@ -137,6 +137,16 @@ def test_processes_without_a_coordinator_are_refused():
     assert distributed.initialize() is False  # no flags: a single-process run, nothing started
 
 
+def test_settings_come_from_the_environment_when_no_flag_is_given(monkeypatch):
+    monkeypatch.setenv("PAXKV_NUM_PROCESSES", "2")
+    monkeypatch.setenv("PAXKV_PROCESS_ID", "0")
+    with pytest.raises(ValueError, match="without a coordinator"):
+        distributed.initialize()
+    monkeypatch.setenv("PAXKV_PROCESS_ID", "first")
+    with pytest.raises(ValueError, match="PAXKV_PROCESS_ID='first' is not a non-negative integer"):
+        distributed.initialize()
+
+
 def test_unreachable_coordinator_fails_after_the_timeout_with_a_clear_error(tmp_path):
     """Process 1 of 2 waits for a coordinator nobody started, and gives up after --distributed_timeout."""
     result = subprocess.run(
