@@ -182,14 +182,22 @@ def test_smollm2_replicates_its_three_kv_heads_on_model_2(caplog):
     prompts = [single.tokenizer.encode("The capital of France is"), single.tokenizer.encode("1, 2, 3,")]
     _, expected = _greedy(single, prompts)
     loaded = _on_mesh(None, 2)
-    with caplog.at_level(logging.WARNING, logger="paxkv.engine"):
+    with caplog.at_level(logging.WARNING, logger="paxkv.mesh"):
         engine, tokens = _greedy(loaded, prompts)
     assert tokens == expected
     assert "REPLICATED" in caplog.text and "3 KV heads" in caplog.text
     assert _spec(engine.kv_caches[0]) == ()
     state = {path[-1]: variable.get_value() for path, variable in nnx.to_flat_state(loaded.state)}
     assert _spec(state["k_proj"]) == ()  # 3 heads: replicated
-    assert state["gate"].sharding.spec == P(None, "model")  # the MLP is still split
+    assert _spec(state["gate"]) == (None, "model")  # the MLP is still split
+
+
+def test_replicated_attention_leaves_one_all_reduce_per_layer(tmp_path, make_tiny_llama):
+    """SmolLM2's shape in small (9 query and 3 KV heads) on model=2: only the MLP's all-reduce per layer remains."""
+    make_tiny_llama(
+        hidden_size=144, num_attention_heads=9, num_key_value_heads=3, head_dim=16, initializer_range=0.1
+    ).save_pretrained(tmp_path)
+    loaded = _on_mesh(tmp_path, 2)
     counts = _collectives(loaded)
     assert counts["all-reduce"] == loaded.config.num_layers + 1, counts  # the MLP's, and the embedding's
 
