@@ -140,6 +140,28 @@ def test_pallas_kernels_run_per_shard_under_the_mesh(eight_kv_heads, attention_i
             assert ("shard_map" in str(jaxpr)) == wrapped, impl
 
 
+def test_swap_preemption_and_forks_on_the_mesh(eight_kv_heads):
+    """Swapping sharded pages to the host and back, and copy-on-write for n=2, give the one-device tokens."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, 256, n).tolist() for n in (21, 37, 45, 29, 50, 33)]
+
+    def run(loaded):
+        config = EngineConfig(page_size=8, num_pages=20, max_num_seqs=6, preemption_mode="swap", kv_cache_dtype="int8")
+        engine = Engine(loaded, config)
+        for index, prompt in enumerate(prompts):
+            n = 2 if index == 0 else 1
+            engine.add_request(str(index), prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=n))
+        outputs = {}
+        while engine.has_unfinished_requests():
+            outputs.update({o.request_id: [c.token_ids for c in o.outputs] for o in engine.step() if o.finished})
+        return engine, outputs
+
+    _, expected = run(models.load(eight_kv_heads, require_tokenizer=False))
+    engine, outputs = run(_on_mesh(eight_kv_heads, 4))
+    assert outputs == expected
+    assert engine.metrics.num_preemptions_swap > 0 and len(outputs["0"]) == 2
+
+
 def _collectives(loaded) -> collections.Counter:
     """Collective ops in the compiled text of the engine's step, as it ran on `loaded`."""
     captured = []
