@@ -5,6 +5,8 @@ import os
 import jax
 
 ENV_VAR = "PAXKV_COMPILATION_CACHE_DIR"
+# Compilations quicker than this many seconds are not cached (default 0: all are).
+MIN_SECONDS_ENV_VAR = "PAXKV_COMPILATION_CACHE_MIN_SECONDS"
 
 
 def default_cache_dir() -> str:
@@ -18,6 +20,10 @@ def default_cache_dir() -> str:
 def enable_compilation_cache(cache_dir: str | None = None) -> str:
     """Point JAX's persistent cache at `cache_dir` and cache every compilation, however quick.
 
+    $PAXKV_COMPILATION_CACHE_MIN_SECONDS raises that floor: the tests cache only compilations of 2 s or
+    more, since jaxlib 0.10.2's XLA:CPU now and then segfaults serializing an executable for the cache
+    (seen 4 times in about 12 full runs, always a quick program), and only slow ones are worth keeping.
+
     JAX writes entries without a lock or an atomic rename, so processes that compile the same program
     at the same time into one folder can read each other's half-written entries (and crash
     deserializing them): give concurrent processes separate folders, as the tests do per xdist worker.
@@ -30,6 +36,6 @@ def enable_compilation_cache(cache_dir: str | None = None) -> str:
     cache_dir = cache_dir or default_cache_dir()
     os.makedirs(cache_dir, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(os.environ.get(MIN_SECONDS_ENV_VAR) or 0.0))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return cache_dir

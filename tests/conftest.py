@@ -8,13 +8,21 @@ import pytest
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-from paxkv.compilation_cache import ENV_VAR, default_cache_dir, enable_compilation_cache  # noqa: E402
+from paxkv.compilation_cache import (  # noqa: E402
+    ENV_VAR,
+    MIN_SECONDS_ENV_VAR,
+    default_cache_dir,
+    enable_compilation_cache,
+)
 
 # JAX's persistent cache, one folder per xdist worker (subprocesses inherit it): JAX's cache has no lock,
 # and two workers compiling one program into one folder can read each other's half-written entries.
 # It matters: every test module loads its own model, whose step programs jit cannot reuse but the
 # persistent cache can.
 os.environ[ENV_VAR] = os.path.join(default_cache_dir(), "tests-" + os.environ.get("PYTEST_XDIST_WORKER", "main"))
+# Only compilations of 2 s or more (the models' step programs): jaxlib 0.10.2 segfaults now and then serializing
+# an executable for the cache, so the many quick ones are not written (see enable_compilation_cache).
+os.environ.setdefault(MIN_SECONDS_ENV_VAR, "2")
 enable_compilation_cache()
 
 

@@ -35,7 +35,7 @@ _CHILD = textwrap.dedent(
 
 
 def _run_child(cache_dir: str) -> dict:
-    env = dict(os.environ, PAXKV_COMPILATION_CACHE_DIR=cache_dir)
+    env = dict(os.environ, PAXKV_COMPILATION_CACHE_DIR=cache_dir, PAXKV_COMPILATION_CACHE_MIN_SECONDS="0")
     env.pop("XLA_FLAGS", None)
     result = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
