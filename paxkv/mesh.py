@@ -4,7 +4,6 @@ import logging
 import math
 
 import jax
-import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from pallas_kernels import QuantizedKVPages
@@ -65,8 +64,10 @@ def make_mesh(mesh_shape: str | dict | None = None, devices=None) -> Mesh:
             f"mesh data={sizes['data']},model={sizes['model']} needs {needed} devices, but {len(devices)} are "
             f"available ({devices[0].platform}); choose sizes whose product is {len(devices)}"
         )
-    grid = [[devices[d * sizes["model"] + m] for m in range(sizes["model"])] for d in range(sizes["data"])]
-    return Mesh(np.asarray(grid, dtype=object), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    # jax.make_mesh orders the devices by the hardware's topology (TPU ICI rings), so "model" neighbours
+    # are physical neighbours; on CPU and GPU it keeps their order.
+    shape = (sizes["data"], sizes["model"])
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
 def kv_heads_sharded(num_kv_heads: int, mesh: Mesh) -> bool:
