@@ -124,6 +124,7 @@ def attention_on_mesh(q, k, v, kv_pages, metadata, *, attention_impl: str, **opt
         call,
         in_specs=(per_token, per_token, per_token, pages, metadata_spec),
         out_specs=(per_token, pages),
+        axis_names={"model"},  # inside a data-parallel step "data" is already manual
         check_vma=False,
     )
     return sharded(q, k, v, kv_pages, metadata)

@@ -14,8 +14,10 @@ class EngineConfig:
     """How the engine sizes its page pool and its batches, and what it does when pages run out."""
 
     page_size: int = 16
-    num_pages: int | None = None  # set directly, or derived from kv_cache_memory_bytes
+    # The whole pool (split evenly over data replicas): set directly, or derived from kv_cache_memory_bytes.
+    num_pages: int | None = None
     kv_cache_memory_bytes: int = 1 << 30
+    # Per step and per data replica (with data=D, D batches of this size run side by side).
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # default: min(the model's context, 4096)
@@ -31,6 +33,7 @@ class EngineConfig:
     # Admission keeps this fraction of the pool free, so a new request does not at once force preemptions.
     watermark: float = 0.01
     # The device mesh, "data=D,model=M" or a dict; None puts every device on "model" (one device on CPU).
+    # data > 1 runs data-parallel replicas (paxkv/data_parallel.py).
     # LLM and the CLI load the model onto it (paxkv.mesh.load_on_mesh).
     mesh_shape: str | dict | None = None
 

@@ -155,7 +155,7 @@ def environment_defaults() -> dict:
 
 def host_value(array: jax.Array) -> np.ndarray:
     """An array's value on this host, when other processes hold parts of it too (replicated: any local copy)."""
-    if array.is_fully_addressable:
+    if isinstance(array, np.ndarray) or array.is_fully_addressable:
         return np.asarray(array)
     if array.sharding.is_fully_replicated:
         return np.asarray(array.addressable_data(0))

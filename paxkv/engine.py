@@ -9,6 +9,7 @@ import numpy as np
 
 import models
 from paxkv.config import EngineConfig
+from paxkv.data_parallel import DataParallelBatch, DataParallelScheduler, PartitionedPages
 from paxkv.distributed import agree_across_processes, host_value
 from paxkv.kv_cache import allocate_pool, kv_bytes_per_token, kv_storage_dtype
 from paxkv.mesh import engine_mesh
@@ -21,8 +22,16 @@ from paxkv.request import Request
 from paxkv.sampler import SamplingArrays
 from paxkv.sampling_params import SamplingParams
 from paxkv.scheduler import ScheduledBatch, Scheduler
-from paxkv.step import SampledTokens, copy_pages, engine_step, num_step_compilations, page_copy_arrays, static_graph
-from paxkv.step_inputs import StepInputs, num_buckets
+from paxkv.step import (
+    SampledTokens,
+    copy_pages,
+    data_parallel_step,
+    engine_step,
+    num_step_compilations,
+    page_copy_arrays,
+    static_graph,
+)
+from paxkv.step_inputs import StepInputs, num_buckets, padded_batch_sizes
 from paxkv.swap import HostSwapSpace
 from paxkv.tracking import RequestGroup, SampleState, append_logprobs
 
@@ -56,20 +65,23 @@ class Engine:
         preemption_mode = config.preemption_mode
         if jax.process_count() > 1:
             num_pages, preemption_mode = agree_across_processes(num_pages, preemption_mode)
-        if num_pages - 1 < config.max_num_seqs:
+        self.mesh = engine_mesh(loaded, config.mesh_shape)
+        # Data parallelism splits the pool into equal partitions, one per replica, each with its null page.
+        self.num_replicas = self.mesh.shape["data"] if self.mesh is not None else 1
+        pages_per_replica = num_pages // self.num_replicas
+        num_pages = pages_per_replica * self.num_replicas
+        if pages_per_replica - 1 < config.max_num_seqs:
             source = (
-                f"num_pages={num_pages}"
+                f"num_pages={config.num_pages}"
                 if config.num_pages
                 else (f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} ({num_pages} pages)")
             )
+            per_replica = f" per data replica (of {self.num_replicas})" if self.num_replicas > 1 else ""
             raise ValueError(
-                f"{source} leaves {max(num_pages - 1, 0)} usable pages (page 0 is reserved), too few to hold even "
-                f"one page for each of max_num_seqs={config.max_num_seqs} sequences; raise num_pages or "
-                "kv_cache_memory_bytes, or lower max_num_seqs"
+                f"{source} leaves {max(pages_per_replica - 1, 0)} usable pages{per_replica} (page 0 is reserved), "
+                f"too few to hold even one page for each of max_num_seqs={config.max_num_seqs} sequences; raise "
+                "num_pages or kv_cache_memory_bytes, or lower max_num_seqs"
             )
-        self.mesh = engine_mesh(loaded, config.mesh_shape)
-        self.allocator = PageAllocator(num_pages)
-        self.prefix_trie = PrefixTrie(self.allocator, config.page_size) if config.enable_prefix_caching else None
         try:
             self.kv_caches = allocate_pool(model_config, num_pages, config.page_size, kv_dtype, self.mesh)
         except (RuntimeError, MemoryError) as e:  # XLA reports a failed allocation as a RuntimeError
@@ -87,18 +99,7 @@ class Engine:
             )
         self.swap_space = HostSwapSpace(self.kv_caches, num_host_slots) if num_host_slots else None
         self.preemption = PreemptionPolicy(preemption_mode, bytes_per_page, num_host_slots)
-        self.scheduler = Scheduler(
-            self.allocator,
-            page_size=config.page_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            eos_token_ids=loaded.generation_config.eos_token_ids,
-            prefix_trie=self.prefix_trie,
-            swap_slots=self.swap_space.slots if self.swap_space is not None else None,
-            preemption=self.preemption,
-            watermark_pages=int(config.watermark * (num_pages - 1)),
-        )
+        self._build_scheduler(pages_per_replica)
         self.pages_per_seq = -(-self.max_model_len // config.page_size)
         self._seed_source = np.random.default_rng(config.seed)
         # Each caller's request by its id, and each of its samples by scheduler request id.
@@ -107,19 +108,56 @@ class Engine:
         self._graph = static_graph(loaded.graphdef)
         # (T bucket, S bucket, penalties?, suppress?, logprobs?): each distinct one is one step program.
         self.step_shapes: set[tuple[int, int, bool, bool, bool]] = set()
-        self.metrics = EngineMetrics(num_total_pages=num_pages - 1, page_size=config.page_size)
+        self.metrics = EngineMetrics(num_total_pages=self.allocator.num_total_pages, page_size=config.page_size)
         self.kv_cache_bytes = num_pages * config.page_size * bytes_per_token
         self.kv_bytes_per_token = bytes_per_token
         self.kv_dtype = kv_dtype
         logger.info(
-            "page pool: %d pages of %d tokens (page 0 reserved) = %d tokens of KV, %s, %d bytes per token, %.1f MiB",
+            "page pool: %d pages of %d tokens (page 0 of each of %d partitions reserved) = %d tokens of KV, %s, "
+            "%d bytes per token, %.1f MiB",
             num_pages,
             config.page_size,
-            (num_pages - 1) * config.page_size,
+            self.num_replicas,
+            self.allocator.num_total_pages * config.page_size,
             kv_dtype.name,
             bytes_per_token,
             self.kv_cache_bytes / 2**20,
         )
+
+    def _build_scheduler(self, pages_per_replica: int) -> None:
+        """The scheduler, page allocator(s) and prefix cache(s): one of each, or one per data replica."""
+        config = self.config
+
+        def make_scheduler(allocator: PageAllocator, prefix_trie: PrefixTrie | None) -> Scheduler:
+            return Scheduler(
+                allocator,
+                page_size=config.page_size,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                eos_token_ids=self.loaded.generation_config.eos_token_ids,
+                prefix_trie=prefix_trie,
+                swap_slots=self.swap_space.slots if self.swap_space is not None else None,
+                preemption=self.preemption,
+                watermark_pages=int(config.watermark * (pages_per_replica - 1)),
+            )
+
+        if self.num_replicas == 1:
+            self.allocator = PageAllocator(pages_per_replica)
+            self.prefix_trie = PrefixTrie(self.allocator, config.page_size) if config.enable_prefix_caching else None
+            self.scheduler = make_scheduler(self.allocator, self.prefix_trie)
+            self._prefix_tries = [self.prefix_trie] if self.prefix_trie is not None else []
+            return
+        self.scheduler = DataParallelScheduler(
+            make_scheduler,
+            num_replicas=self.num_replicas,
+            pages_per_replica=pages_per_replica,
+            page_size=config.page_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.allocator = PartitionedPages(self.scheduler.allocators)
+        self.prefix_trie = None  # one per replica: self.scheduler.prefix_tries
+        self._prefix_tries = [trie for trie in self.scheduler.prefix_tries if trie is not None]
 
     def add_request(
         self,
@@ -308,7 +346,7 @@ class Engine:
 
     def _num_request_pages(self) -> int:
         """Distinct pages running requests hold (a shared prefix page counts once)."""
-        return len({page for request in self.scheduler.running for page in request.block_table})
+        return len({(request.replica, page) for request in self.scheduler.running for page in request.block_table})
 
     def _refresh_pool_gauges(self, *, start: float | None = None, num_tokens: int = 0, peak: int = 0) -> None:
         """Update the pool gauges; with `start`, also account a step that began then and held `peak` pages."""
@@ -318,9 +356,9 @@ class Engine:
         metrics.kv_pages_cached_idle = self.allocator.num_used_pages - used
         metrics.prefix_query_tokens = self.scheduler.num_prefix_query_tokens
         metrics.prefix_hit_tokens = self.scheduler.num_prefix_hit_tokens
-        if self.prefix_trie is not None:
-            metrics.kv_pages_cached = self.prefix_trie.num_cached_pages
-            metrics.prefix_evictions = self.prefix_trie.num_evictions
+        if self._prefix_tries:
+            metrics.kv_pages_cached = sum(trie.num_cached_pages for trie in self._prefix_tries)
+            metrics.prefix_evictions = sum(trie.num_evictions for trie in self._prefix_tries)
         if start is None:
             self.metrics.kv_pages_used = used
             return
@@ -329,18 +367,38 @@ class Engine:
         filled = sum(request.num_computed_tokens for request in running)
         self.metrics.record_step(start, num_tokens, used, allocated, filled, peak_kv_pages=peak)
 
-    def step_arguments(self, batch: ScheduledBatch) -> tuple:
-        """engine_step's arguments after the graph, state and pool, for `batch`: the padded inputs, the sampling
-        arrays, the optional vocabulary arrays and the logprobs flag.
+    def step_arguments(self, batch: ScheduledBatch | DataParallelBatch) -> tuple:
+        """The step's arguments after the graph, state and pool, for `batch`: the padded inputs, the sampling
+        arrays, the optional vocabulary arrays and the logprobs flag. For data parallelism every array gets a
+        leading replica axis, and all replicas pad to the same buckets (data_parallel_step's arguments).
 
         Args:
           batch: a batch the scheduler returned.
         """
+        config = self.config
+        with_logprobs = any(s.request.sampling_params.logprobs is not None for s in batch.sequences)
+        if not isinstance(batch, DataParallelBatch):
+            inputs, sampling, vocab_arrays = self._replica_arguments(batch, None, force_vocab=(False, False, False))
+            return inputs, sampling, *vocab_arrays, with_logprobs
+        sizes = [
+            padded_batch_sizes(b, config.max_num_batched_tokens, config.max_num_seqs) for b in batch.replica_batches
+        ]
+        padded_sizes = (max(size[0] for size in sizes), max(size[1] for size in sizes))
+        # Every replica runs one program: an optional vocabulary array any replica needs, all of them get.
+        needed = [self._vocab_arrays_needed(b) for b in batch.replica_batches]
+        force = tuple(any(flags) for flags in zip(*needed, strict=True))
+        per_replica = [self._replica_arguments(b, padded_sizes, force) for b in batch.replica_batches]
+        inputs, sampling, vocab_arrays = jax.tree.map(lambda *leaves: np.stack(leaves), *per_replica)
+        return inputs, sampling, *vocab_arrays, with_logprobs
+
+    def _replica_arguments(self, batch: ScheduledBatch, padded_sizes, force_vocab: tuple[bool, bool, bool]):
+        """(StepInputs, SamplingArrays, vocabulary arrays) of one replica's batch, as numpy arrays."""
         inputs = StepInputs.from_batch(
             batch,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_num_seqs=self.config.max_num_seqs,
             pages_per_seq=self.pages_per_seq,
+            padded_sizes=padded_sizes,
         )
         rows = batch.sequences
         num_rows = inputs.logits_indices.shape[0]
@@ -350,11 +408,9 @@ class Engine:
             seeds=[self._samples[s.request.request_id].seed for s in rows],
             batch_size=num_rows,
         )
-        token_counts, prompt_mask, suppress = self._vocab_arrays(batch, num_rows)
-        with_logprobs = any(s.request.sampling_params.logprobs is not None for s in rows)
-        return inputs, sampling, token_counts, prompt_mask, suppress, with_logprobs
+        return inputs, sampling, self._vocab_arrays(batch, num_rows, force_vocab)
 
-    def _move_pages(self, batch: ScheduledBatch) -> None:
+    def _move_pages(self, batch: ScheduledBatch | DataParallelBatch) -> None:
         """Before the step: pages out to the host (preemption by swap), back in (resumption), copies on write."""
         for moves, direction in ((batch.swap_out, "out"), (batch.swap_in, "in")):
             if not moves:
@@ -372,26 +428,47 @@ class Engine:
         if batch.page_copies:
             self.kv_caches = copy_pages(self.kv_caches, *page_copy_arrays(batch.page_copies))
 
-    def _run(self, batch: ScheduledBatch) -> SampledTokens:
-        """Run the jitted step on `batch` (the pool is donated and replaced) and return its sampled tokens."""
+    def _run(self, batch: ScheduledBatch | DataParallelBatch) -> SampledTokens:
+        """Run the jitted step on `batch` (the pool is donated and replaced) and return its sampled tokens,
+        one row per sequence of batch.sequences (data parallelism: on the host, replicas' rows in order)."""
         arguments = self.step_arguments(batch)
-        inputs, sampling, token_counts, _, suppress, with_logprobs = arguments
-        num_rows = sampling.batch_size
-        self.step_shapes.add(
-            (inputs.tokens.shape[0], num_rows, token_counts is not None, suppress is not None, with_logprobs)
-        )
+        inputs, _, token_counts, _, suppress, with_logprobs = arguments
+        num_tokens, num_rows = inputs.tokens.shape[-1], inputs.logits_indices.shape[-1]
+        self.step_shapes.add((num_tokens, num_rows, token_counts is not None, suppress is not None, with_logprobs))
+        data_parallel = isinstance(batch, DataParallelBatch)
+        step = data_parallel_step if data_parallel else engine_step
         # Under the mesh, a Pallas kernel runs per model shard (models.sharding.attention_on_mesh).
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            sampled, self.kv_caches = engine_step(self._graph, self.loaded.state, self.kv_caches, *arguments)
-        return sampled
+            sampled, self.kv_caches = step(self._graph, self.loaded.state, self.kv_caches, *arguments)
+        if not data_parallel:
+            return sampled
+        # [D, S, ...] -> the live rows, replica by replica.
+        rows = [
+            replica * num_rows + row for replica, b in enumerate(batch.replica_batches) for row in range(b.num_seqs)
+        ]
+        return jax.tree.map(
+            lambda leaf: host_value(leaf).reshape(leaf.shape[0] * leaf.shape[1], *leaf.shape[2:])[rows], sampled
+        )
 
-    def _vocab_arrays(self, batch: ScheduledBatch, num_rows: int):
-        """Per-row vocabulary arrays for penalties and min_tokens, built only when some row needs them."""
-        vocab_size = self.loaded.config.vocab_size
+    @staticmethod
+    def _vocab_arrays_needed(batch: ScheduledBatch) -> tuple[bool, bool, bool]:
+        """Whether some row of `batch` needs token_counts, prompt_mask and suppress (see _vocab_arrays)."""
         rows = batch.sequences
         params = [s.request.sampling_params for s in rows]
+        penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params)
+        suppress = any(s.request.num_output_tokens < s.request.sampling_params.min_tokens for s in rows)
+        return penalties, penalties, suppress
+
+    def _vocab_arrays(self, batch: ScheduledBatch, num_rows: int, force: tuple[bool, bool, bool]):
+        """Per-row vocabulary arrays for penalties and min_tokens, built only when some row needs them (or
+        `force` asks for them: rows that need nothing get neutral ones)."""
+        vocab_size = self.loaded.config.vocab_size
+        rows = batch.sequences
+        needs_penalties, _, needs_any_suppress = (
+            need or forced for need, forced in zip(self._vocab_arrays_needed(batch), force, strict=True)
+        )
         token_counts = prompt_mask = suppress = None
-        if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
+        if needs_penalties:
             token_counts = np.zeros((num_rows, vocab_size), np.int32)
             prompt_mask = np.zeros((num_rows, vocab_size), bool)
             for row, sequence in enumerate(rows):
@@ -399,7 +476,7 @@ class Engine:
                 prompt_mask[row, sequence.request.prompt_token_ids] = True
         eos_ids = list(self.loaded.generation_config.eos_token_ids)
         needs_suppress = [s.request.num_output_tokens < s.request.sampling_params.min_tokens for s in rows]
-        if any(needs_suppress):
+        if needs_any_suppress:
             suppress = np.zeros((num_rows, vocab_size), bool)
             for row, sequence in enumerate(rows):
                 if needs_suppress[row]:

@@ -76,7 +76,8 @@ def kv_heads_sharded(num_kv_heads: int, mesh: Mesh) -> bool:
 
 
 def pool_sharding(pool, num_kv_heads: int, mesh: Mesh):
-    """A sharding pytree for one layer's pool: KV heads on "model" when they divide it, else replicated.
+    """A sharding pytree for one layer's pool: pages on "data" (one partition per data replica), and KV heads
+    on "model" when they divide it, else replicated.
 
     Args:
       pool: one layer's page pool ([num_pages, page_size, 2K, D] array or QuantizedKVPages).
@@ -84,9 +85,10 @@ def pool_sharding(pool, num_kv_heads: int, mesh: Mesh):
       mesh: the device mesh.
     """
     heads = "model" if kv_heads_sharded(num_kv_heads, mesh) else None
-    pages = NamedSharding(mesh, PartitionSpec(None, None, heads, None))
+    page_axis = "data" if mesh.shape["data"] > 1 else None
+    pages = NamedSharding(mesh, PartitionSpec(page_axis, None, heads, None))
     if isinstance(pool, QuantizedKVPages):
-        scales = NamedSharding(mesh, PartitionSpec(None, heads, None))  # [num_pages, 2K, page_size]
+        scales = NamedSharding(mesh, PartitionSpec(page_axis, heads, None))  # [num_pages, 2K, page_size]
         return QuantizedKVPages(pages=pages, scales=scales, value_dtype=pool.value_dtype)
     return pages
 
@@ -95,7 +97,8 @@ def describe_kv_layout(model_name: str, num_kv_heads: int, num_heads: int, mesh:
     """One log line saying how attention and the pool lie on the mesh, loudly when KV heads are replicated."""
     model_size = mesh.shape["model"]
     if model_size == 1:
-        return f"mesh data={mesh.shape['data']},model=1: no tensor parallelism"
+        pages = "; the page pool splits over data" if mesh.shape["data"] > 1 else ""
+        return f"mesh data={mesh.shape['data']},model=1: no tensor parallelism{pages}"
     if kv_heads_sharded(num_kv_heads, mesh):
         return (
             f"mesh data={mesh.shape['data']},model={model_size}: {num_kv_heads} KV heads and the page pool split "
@@ -140,11 +143,6 @@ def engine_mesh(loaded, mesh_shape: str | dict | None) -> Mesh | None:
     if loaded.mesh is None or loaded.mesh.size == 1:
         return None
     mesh = loaded.mesh
-    if mesh.shape["data"] > 1:
-        raise ValueError(
-            f"mesh data={mesh.shape['data']}: data parallelism is not implemented yet; use data=1 and put the "
-            "devices on model"
-        )
     config = loaded.config
     layout = describe_kv_layout(config.model_type, config.num_kv_heads, config.num_heads, mesh)
     (logger.info if kv_heads_sharded(config.num_kv_heads, mesh) else logger.warning)(layout)

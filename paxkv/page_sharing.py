@@ -38,6 +38,7 @@ class PageSharing:
                 parent_request_id=request.request_id,
                 sample_index=index,
                 priority=request.priority,
+                replica=request.replica,
             )
             self.allocator.incref(sibling.block_table)
             self._unfinished[sibling.request_id] = sibling

@@ -50,6 +50,8 @@ class Request:
     priority: int = 0
     # Host swap slots holding this request's pages while it is preempted by swap (its computed tokens kept).
     swapped_slots: list[int] = dataclasses.field(default_factory=list)
+    # The data replica whose pages the request holds (data parallelism; 0 otherwise). Set at admission.
+    replica: int = 0
 
     def __post_init__(self):
         """Copy the prompt into a list of ints so callers' lists are never shared."""

@@ -6,6 +6,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from paxkv.sampler import SamplingArrays, sample, top_logprobs
 from paxkv.sampling_params import MAX_LOGPROBS
@@ -72,6 +73,56 @@ def engine_step(
       with_logprobs: also return each sampled token's log-probability and rank, and the MAX_LOGPROBS most
         likely tokens of each row (static; zeros and empty arrays otherwise).
     """
+    return _forward_and_sample(
+        graph, state, kv_caches, inputs, sampling, token_counts, prompt_mask, suppress, with_logprobs
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 8), donate_argnums=2)
+def data_parallel_step(
+    graph: StaticGraph,
+    state: nnx.State,
+    kv_caches: list[jax.Array],  # num_layers x [D * N, page_size, 2K, H], pages split on "data"
+    inputs: StepInputs,  # every leaf [D, ...]: replica r's padded batch, over its local pages
+    sampling: SamplingArrays,  # every leaf [D, S]
+    token_counts: jax.Array | None,  # i32[D, S, vocab]
+    prompt_mask: jax.Array | None,  # bool[D, S, vocab]
+    suppress: jax.Array | None,  # bool[D, S, vocab]
+    with_logprobs: bool = False,
+) -> tuple[SampledTokens, list[jax.Array]]:  # every SampledTokens leaf [D, S, ...]
+    """engine_step on every data replica at once, each over its own shard of the pool (under jax.set_mesh).
+
+    shard_map makes "data" manual: each replica sees its N local pages and its own batch, and nothing
+    crosses replicas. "model" stays automatic, so tensor parallelism inside a replica works as in
+    engine_step (and a Pallas kernel nests its own shard_map over "model", models.sharding).
+
+    Args:
+      as engine_step, with a leading replica axis D on the batch arrays; the pool's page axis is D * N.
+    """
+
+    def replica_step(state, kv_caches, inputs, sampling, vocab_arrays):
+        local = jax.tree.map(lambda leaf: leaf[0], (inputs, sampling, vocab_arrays))  # drop the replica axis
+        inputs, sampling, (token_counts, prompt_mask, suppress) = local
+        sampled, kv_caches = _forward_and_sample(
+            graph, state, kv_caches, inputs, sampling, token_counts, prompt_mask, suppress, with_logprobs
+        )
+        return jax.tree.map(lambda leaf: leaf[None], sampled), kv_caches
+
+    per_replica = PartitionSpec("data")
+    replicated = jax.tree.map(lambda _: PartitionSpec(), state)
+    vocab_arrays = (token_counts, prompt_mask, suppress)
+    sharded = jax.shard_map(
+        replica_step,
+        in_specs=(replicated, per_replica, per_replica, per_replica, jax.tree.map(lambda _: per_replica, vocab_arrays)),
+        out_specs=(per_replica, per_replica),
+        axis_names={"data"},
+        check_vma=False,
+    )
+    return sharded(state, kv_caches, inputs, sampling, vocab_arrays)
+
+
+def _forward_and_sample(graph, state, kv_caches, inputs, sampling, token_counts, prompt_mask, suppress, with_logprobs):
+    """The body of engine_step (see there), traced once per step program."""
     model = nnx.merge(graph.graphdef, state)
     hidden, kv_caches = model(inputs.tokens, inputs.positions, kv_caches, inputs.metadata)
     logits = model.logits(hidden[inputs.logits_indices]).astype(jnp.float32)  # f32[S, vocab]
@@ -92,8 +143,8 @@ def engine_step(
 
 
 def num_step_compilations() -> int:
-    """How many distinct programs engine_step has compiled in this process."""
-    return engine_step._cache_size()
+    """How many distinct step programs (engine_step and data_parallel_step) this process has compiled."""
+    return engine_step._cache_size() + data_parallel_step._cache_size()
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -20,6 +20,14 @@ def num_buckets(maximum: int) -> int:
     return max(0, maximum - 1).bit_length() + 1
 
 
+def padded_batch_sizes(batch: ScheduledBatch, max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, int]:
+    """(T, S): the token and row buckets a batch pads to."""
+    return (
+        power_of_two_bucket(batch.num_batched_tokens, max_num_batched_tokens),
+        power_of_two_bucket(batch.num_seqs, max_num_seqs),
+    )
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
@@ -38,6 +46,7 @@ class StepInputs:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         pages_per_seq: int,
+        padded_sizes: tuple[int, int] | None = None,
     ) -> "StepInputs":
         """Lay out a batch: rows in batch order, tokens contiguous per row, everything padded to buckets.
 
@@ -46,10 +55,10 @@ class StepInputs:
           max_num_batched_tokens: the token budget (largest T bucket).
           max_num_seqs: the sequence budget (largest S bucket).
           pages_per_seq: block-table width, ceil(max_model_len / page_size).
+          padded_sizes: (T, S) to pad to instead of the batch's own buckets (data replicas share one shape).
         """
         num_tokens = batch.num_batched_tokens
-        padded_tokens = power_of_two_bucket(num_tokens, max_num_batched_tokens)
-        padded_seqs = power_of_two_bucket(batch.num_seqs, max_num_seqs)
+        padded_tokens, padded_seqs = padded_sizes or padded_batch_sizes(batch, max_num_batched_tokens, max_num_seqs)
         tokens = np.zeros(padded_tokens, np.int32)
         positions = np.zeros(padded_tokens, np.int32)
         slots = np.zeros(padded_tokens, np.int32)  # padded tokens write into the null page

@@ -60,17 +60,27 @@ def _tokens(path) -> list[list[int]]:
         return [json.loads(line)["token_ids"] for line in f]
 
 
-def test_two_processes_match_one_and_only_process_0_writes(tiny_model, tmp_path):
+@pytest.fixture(scope="module")
+def single_process_tokens(tiny_model, tmp_path_factory) -> list[list[int]]:
+    """The CLI's greedy tokens for the prompts file, from one process."""
     model_dir, prompts = tiny_model
-    flags = _run_flags(model_dir, prompts)
+    output = tmp_path_factory.mktemp("single") / "single.jsonl"
     single = subprocess.run(
-        [sys.executable, "-m", "paxkv.run", *flags, f"--output={tmp_path / 'single.jsonl'}"],
+        [sys.executable, "-m", "paxkv.run", *_run_flags(model_dir, prompts), f"--output={output}"],
         env=_env(),
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert single.returncode == 0, single.stderr[-2000:]
+    tokens = _tokens(output)
+    assert len(tokens) == len(PROMPTS)
+    return tokens
+
+
+def test_two_processes_match_one_and_only_process_0_writes(tiny_model, single_process_tokens, tmp_path):
+    model_dir, prompts = tiny_model
+    flags = _run_flags(model_dir, prompts)
     port = _free_port()
     processes = [
         subprocess.Popen(
@@ -96,14 +106,14 @@ def test_two_processes_match_one_and_only_process_0_writes(tiny_model, tmp_path)
     results = [p.communicate(timeout=300) for p in processes]
     for process, (_, stderr) in zip(processes, results, strict=True):
         assert process.returncode == 0, stderr[-2000:]
-    assert _tokens(tmp_path / "out-0.jsonl") == _tokens(tmp_path / "single.jsonl")
-    assert len(_tokens(tmp_path / "single.jsonl")) == len(PROMPTS)
+    assert _tokens(tmp_path / "out-0.jsonl") == single_process_tokens
     assert (tmp_path / "metrics-0.json").exists()
     assert not (tmp_path / "out-1.jsonl").exists() and not (tmp_path / "metrics-1.json").exists()
     assert "requests finished" in results[0][1] and "requests finished" not in results[1][1]
 
 
-def test_launch_script_runs_the_cli_across_two_processes(tiny_model, tmp_path):
+def test_launch_script_runs_data_parallel_replicas_one_per_process(tiny_model, single_process_tokens, tmp_path):
+    """data=2,model=2 over 2 processes of 2 devices: each process holds one replica and its share of the pool."""
     model_dir, prompts = tiny_model
     output = tmp_path / "out.jsonl"
     env = dict(_env(), PYTHON=sys.executable, PAXKV_LOG_DIR=str(tmp_path / "logs"))
@@ -113,7 +123,7 @@ def test_launch_script_runs_the_cli_across_two_processes(tiny_model, tmp_path):
             os.path.join(ROOT, "scripts", "launch_multihost.sh"),
             "2",
             *_run_flags(model_dir, prompts),
-            "--mesh=data=1,model=4",
+            "--mesh=data=2,model=2",
             f"--output={output}",
         ],
         env=env,
@@ -122,7 +132,7 @@ def test_launch_script_runs_the_cli_across_two_processes(tiny_model, tmp_path):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert len(_tokens(output)) == len(PROMPTS)
+    assert _tokens(output) == single_process_tokens
     assert "3 requests finished" in result.stderr  # process 0's summary
     assert "requests finished" not in (tmp_path / "logs" / "process-1.log").read_text()
 

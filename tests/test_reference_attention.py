@@ -1,37 +1,15 @@
 """The pure-jnp ragged paged attention against hand arithmetic and dense causal attention."""
 
 import math
-import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
 
 from pallas_kernels import AttentionMetadata, paged_attention, ragged_paged_attention_reference, write_kv_reference
 
 PADDED_TOKENS = 128
 PADDED_SEQS = 8
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _no_persistent_cache():
-    """jaxlib 0.10.2 segfaulted three times in full runs writing one of this module's programs into the
-    persistent cache; these programs compile fast anyway, so the module runs without it.
-
-    JAX decides once per process whether the cache is in use, so turning the flag off is not enough: the
-    decision is reset too, and the module checks that it wrote nothing.
-    """
-    cache_dir = jax.config.jax_compilation_cache_dir
-    before = set(os.listdir(cache_dir)) if cache_dir and os.path.isdir(cache_dir) else set()
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    yield
-    jax.config.update("jax_enable_compilation_cache", True)
-    compilation_cache.reset_cache()
-    after = set(os.listdir(cache_dir)) if cache_dir and os.path.isdir(cache_dir) else set()
-    assert after == before, f"the module wrote {len(after - before)} entries into the persistent cache"
 
 
 def test_hand_worked_decode():

@@ -18,7 +18,7 @@ from pallas_kernels import AttentionMetadata
 from paxkv import LLM
 from paxkv.config import EngineConfig
 from paxkv.engine import Engine
-from paxkv.mesh import load_on_mesh, make_mesh, parse_mesh_shape
+from paxkv.mesh import make_mesh, parse_mesh_shape
 from paxkv.sampling_params import SamplingParams
 
 # Written out here, independently of models/sharding.py: where each parameter's axes go under tensor
@@ -247,9 +247,7 @@ def test_bad_meshes_name_the_problem(mesh_shape, message):
         make_mesh(mesh_shape)
 
 
-def test_bad_mesh_in_config_and_data_parallel_not_yet(eight_kv_heads):
+def test_bad_mesh_in_config():
     with pytest.raises(ValueError, match="unknown axis 'tensor'"):
         EngineConfig(mesh_shape="tensor=2")
     assert parse_mesh_shape({"model": 4}) == {"data": 1, "model": 4}
-    with pytest.raises(ValueError, match="data parallelism is not implemented yet"):
-        Engine(load_on_mesh(eight_kv_heads, "data=2,model=4", require_tokenizer=False), EngineConfig())
