@@ -20,9 +20,7 @@ def default_cache_dir() -> str:
 def enable_compilation_cache(cache_dir: str | None = None) -> str:
     """Point JAX's persistent cache at `cache_dir` and cache every compilation, however quick.
 
-    $PAXKV_COMPILATION_CACHE_MIN_SECONDS raises that floor (the tests' CLI subprocesses use 2 s). jaxlib
-    0.10.2's XLA:CPU now and then segfaults serializing an executable for the cache: a process that
-    compiles hundreds of programs, like a test worker, meets it (the test processes run without the cache).
+    $PAXKV_COMPILATION_CACHE_MIN_SECONDS raises that floor (the tests' CLI subprocesses use 2 s).
 
     JAX writes entries without a lock or an atomic rename, so processes that compile the same program
     at the same time into one folder can read each other's half-written entries (and crash

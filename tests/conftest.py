@@ -1,5 +1,6 @@
-"""Test setup: CPU only, 8 fake host devices, quick compiles, and a compilation cache for CLI subprocesses only."""
+"""Test setup: CPU only, 8 fake host devices, quick compiles, a compilation cache folder per worker."""
 
+import gc
 import os
 
 import pytest
@@ -15,15 +16,38 @@ os.environ["XLA_FLAGS"] = " ".join(
     ]
 ).strip()
 
-from paxkv.compilation_cache import ENV_VAR, MIN_SECONDS_ENV_VAR, default_cache_dir  # noqa: E402
+import jax  # noqa: E402
 
-# The test processes themselves run without JAX's persistent cache: jaxlib 0.10.2's XLA:CPU segfaults now
-# and then serializing an executable into it, and a long-lived process that compiles hundreds of programs
-# hit that in every full run (four runs, in four different modules). The CLI subprocesses the tests start
-# (each compiles a few programs) keep it, in one folder per xdist worker: JAX's cache has no lock, and two
-# workers compiling one program into one folder can read each other's half-written entries.
+from paxkv.compilation_cache import (  # noqa: E402
+    ENV_VAR,
+    MIN_SECONDS_ENV_VAR,
+    default_cache_dir,
+    enable_compilation_cache,
+)
+
+# JAX's persistent cache, one folder per xdist worker (the CLI subprocesses the tests start inherit it):
+# JAX's cache has no lock, and two workers compiling one program into one folder can read each other's
+# half-written entries. It matters: every module loads its own model (SmolLM2 in several), whose step
+# programs jit cannot reuse but the cache can. Only compilations of 2 s or more are worth writing.
 os.environ[ENV_VAR] = os.path.join(default_cache_dir(), "tests-" + os.environ.get("PYTEST_XDIST_WORKER", "main"))
 os.environ.setdefault(MIN_SECONDS_ENV_VAR, "2")
+enable_compilation_cache()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program after each module, so a worker's memory maps stay far below the limit.
+
+    XLA:CPU maps each compiled kernel's code and data into their own memory regions (about three maps per
+    kernel) and keeps them while the executable lives, which jit's caches make forever. A test worker
+    compiles thousands of kernels: one had 47,000 maps two thirds of the way through a full run, against
+    Linux's default vm.max_map_count of 65,530, and at the limit mmap fails and XLA segfaults compiling or
+    serializing a program (which crashed a worker in each of five full runs, in a different module each
+    time). jax.clear_caches() releases them (measured: 200 compiles +675 maps, cleared -596).
+    """
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 # The tiny Llama most model tests share: 2 layers, hidden 64, 4 query and 2 KV heads, vocab 256.

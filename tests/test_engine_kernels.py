@@ -39,9 +39,15 @@ def _greedy(path, attention_impl: str) -> dict[str, list[int]]:
     return results
 
 
+@pytest.fixture(scope="module")
+def xla_tokens(tiny_path) -> dict[str, list[int]]:
+    """The XLA path's greedy tokens, computed once for both kernels."""
+    return _greedy(tiny_path, "xla")
+
+
 @pytest.mark.parametrize("kernel", ["interpret_tpu", "interpret_gpu"])
-def test_interpreted_kernels_match_xla_greedy_tokens(tiny_path, kernel):
-    assert _greedy(tiny_path, kernel) == _greedy(tiny_path, "xla")
+def test_interpreted_kernels_match_xla_greedy_tokens(tiny_path, xla_tokens, kernel):
+    assert _greedy(tiny_path, kernel) == xla_tokens
 
 
 def test_interpret_resolves_to_the_tpu_kernel_on_cpu(tiny_path):
