@@ -42,8 +42,8 @@ def _release_compiled_programs():
     kernel) and keeps them while the executable lives, which jit's caches make forever. A test worker
     compiles thousands of kernels: one had 47,000 maps two thirds of the way through a full run, against
     Linux's default vm.max_map_count of 65,530, and at the limit mmap fails and XLA segfaults compiling or
-    serializing a program (which crashed a worker in each of five full runs, in a different module each
-    time). jax.clear_caches() releases them (measured: 200 compiles +675 maps, cleared -596).
+    serializing a program (which crashed a worker in each of five full runs, in whichever test was compiling
+    then). jax.clear_caches() releases them (measured: 200 compiles +675 maps, cleared -596).
     """
     yield
     jax.clear_caches()
