@@ -19,7 +19,6 @@ from paxkv.page_allocator import PageAllocator
 from paxkv.preemption import PreemptionPolicy
 from paxkv.prefix_trie import PrefixTrie
 from paxkv.request import Request
-from paxkv.sampler import SamplingArrays
 from paxkv.sampling_params import SamplingParams
 from paxkv.scheduler import ScheduledBatch, Scheduler
 from paxkv.step import (
@@ -31,7 +30,8 @@ from paxkv.step import (
     page_copy_arrays,
     static_graph,
 )
-from paxkv.step_inputs import StepInputs, num_buckets, padded_batch_sizes
+from paxkv.step_arguments import build_step_arguments
+from paxkv.step_inputs import num_buckets
 from paxkv.swap import HostSwapSpace
 from paxkv.tracking import RequestGroup, SampleState, append_logprobs
 
@@ -368,47 +368,20 @@ class Engine:
         self.metrics.record_step(start, num_tokens, used, allocated, filled, peak_kv_pages=peak)
 
     def step_arguments(self, batch: ScheduledBatch | DataParallelBatch) -> tuple:
-        """The step's arguments after the graph, state and pool, for `batch`: the padded inputs, the sampling
-        arrays, the optional vocabulary arrays and the logprobs flag. For data parallelism every array gets a
-        leading replica axis, and all replicas pad to the same buckets (data_parallel_step's arguments).
+        """The step's arguments after the graph, state and pool, for `batch` (see paxkv.step_arguments).
 
         Args:
           batch: a batch the scheduler returned.
         """
-        config = self.config
-        with_logprobs = any(s.request.sampling_params.logprobs is not None for s in batch.sequences)
-        if not isinstance(batch, DataParallelBatch):
-            inputs, sampling, vocab_arrays = self._replica_arguments(batch, None, force_vocab=(False, False, False))
-            return inputs, sampling, *vocab_arrays, with_logprobs
-        sizes = [
-            padded_batch_sizes(b, config.max_num_batched_tokens, config.max_num_seqs) for b in batch.replica_batches
-        ]
-        padded_sizes = (max(size[0] for size in sizes), max(size[1] for size in sizes))
-        # Every replica runs one program: an optional vocabulary array any replica needs, all of them get.
-        needed = [self._vocab_arrays_needed(b) for b in batch.replica_batches]
-        force = tuple(any(flags) for flags in zip(*needed, strict=True))
-        per_replica = [self._replica_arguments(b, padded_sizes, force) for b in batch.replica_batches]
-        inputs, sampling, vocab_arrays = jax.tree.map(lambda *leaves: np.stack(leaves), *per_replica)
-        return inputs, sampling, *vocab_arrays, with_logprobs
-
-    def _replica_arguments(self, batch: ScheduledBatch, padded_sizes, force_vocab: tuple[bool, bool, bool]):
-        """(StepInputs, SamplingArrays, vocabulary arrays) of one replica's batch, as numpy arrays."""
-        inputs = StepInputs.from_batch(
+        return build_step_arguments(
             batch,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_num_seqs=self.config.max_num_seqs,
             pages_per_seq=self.pages_per_seq,
-            padded_sizes=padded_sizes,
+            seed_of=lambda request_id: self._samples[request_id].seed,
+            vocab_size=self.loaded.config.vocab_size,
+            eos_token_ids=list(self.loaded.generation_config.eos_token_ids),
         )
-        rows = batch.sequences
-        num_rows = inputs.logits_indices.shape[0]
-        sampling = SamplingArrays.from_params(
-            [s.request.sampling_params for s in rows],
-            positions=[s.kv_len for s in rows],
-            seeds=[self._samples[s.request.request_id].seed for s in rows],
-            batch_size=num_rows,
-        )
-        return inputs, sampling, self._vocab_arrays(batch, num_rows, force_vocab)
 
     def _move_pages(self, batch: ScheduledBatch | DataParallelBatch) -> None:
         """Before the step: pages out to the host (preemption by swap), back in (resumption), copies on write."""
@@ -449,41 +422,6 @@ class Engine:
         return jax.tree.map(
             lambda leaf: host_value(leaf).reshape(leaf.shape[0] * leaf.shape[1], *leaf.shape[2:])[rows], sampled
         )
-
-    @staticmethod
-    def _vocab_arrays_needed(batch: ScheduledBatch) -> tuple[bool, bool, bool]:
-        """Whether some row of `batch` needs token_counts, prompt_mask and suppress (see _vocab_arrays)."""
-        rows = batch.sequences
-        params = [s.request.sampling_params for s in rows]
-        penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params)
-        suppress = any(s.request.num_output_tokens < s.request.sampling_params.min_tokens for s in rows)
-        return penalties, penalties, suppress
-
-    def _vocab_arrays(self, batch: ScheduledBatch, num_rows: int, force: tuple[bool, bool, bool]):
-        """Per-row vocabulary arrays for penalties and min_tokens, built only when some row needs them (or
-        `force` asks for them: rows that need nothing get neutral ones)."""
-        vocab_size = self.loaded.config.vocab_size
-        rows = batch.sequences
-        needs_penalties, _, needs_any_suppress = (
-            need or forced for need, forced in zip(self._vocab_arrays_needed(batch), force, strict=True)
-        )
-        token_counts = prompt_mask = suppress = None
-        if needs_penalties:
-            token_counts = np.zeros((num_rows, vocab_size), np.int32)
-            prompt_mask = np.zeros((num_rows, vocab_size), bool)
-            for row, sequence in enumerate(rows):
-                np.add.at(token_counts[row], sequence.request.output_token_ids, 1)
-                prompt_mask[row, sequence.request.prompt_token_ids] = True
-        eos_ids = list(self.loaded.generation_config.eos_token_ids)
-        needs_suppress = [s.request.num_output_tokens < s.request.sampling_params.min_tokens for s in rows]
-        if needs_any_suppress:
-            suppress = np.zeros((num_rows, vocab_size), bool)
-            for row, sequence in enumerate(rows):
-                if needs_suppress[row]:
-                    params_row = sequence.request.sampling_params
-                    stop_ids = list(params_row.stop_token_ids) + ([] if params_row.ignore_eos else eos_ids)
-                    suppress[row, stop_ids] = True
-        return token_counts, prompt_mask, suppress
 
     def _append_text(self, tracked: SampleState, token_id: int) -> None:
         """Stream the token's text and end the request at the first stop string (which is cut off)."""

@@ -3,16 +3,15 @@ and the same greedy tokens as one device."""
 
 import collections
 import math
-import re
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from mesh_cases import EXPECTED_SPECS, spec_of, step_collectives
 
 import models
-import paxkv.engine as engine_module
 from paxkv import LLM
 from paxkv.config import EngineConfig
 from paxkv.data_parallel import DataParallelScheduler
@@ -23,19 +22,6 @@ from paxkv.request import Request
 from paxkv.sampling_params import SamplingParams
 from paxkv.scheduler import Scheduler
 from paxkv.swap import HostSwapSpace
-
-# Independently of models/sharding.py: tensor parallelism inside each replica, parameters replicated over data.
-EXPECTED_SPECS = {
-    "q_proj": P(None, "model", None),
-    "k_proj": P(None, "model", None),
-    "v_proj": P(None, "model", None),
-    "o_proj": P("model", None, None),
-    "gate": P(None, "model"),
-    "up": P(None, "model"),
-    "down": P("model", None),
-    "embed": P("model", None),
-    "lm_head": P(None, "model"),
-}
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +37,6 @@ def four_kv_heads(tmp_path_factory, make_tiny_llama):
         initializer_range=0.1,
     ).save_pretrained(path)
     return path
-
-
-def _spec(array_or_spec) -> tuple:
-    """A PartitionSpec (or an array's) without trailing Nones."""
-    spec = tuple(getattr(getattr(array_or_spec, "sharding", None), "spec", array_or_spec))
-    while spec and spec[-1] is None:
-        spec = spec[:-1]
-    return spec
 
 
 def _prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -97,11 +75,11 @@ def test_data_2_model_2_gives_the_one_device_tokens_with_pages_split_on_data(fou
     loaded = _on_mesh(four_kv_heads, "data=2,model=2")
     for path, variable in nnx.to_flat_state(loaded.state):
         array = variable.get_value()
-        assert _spec(array) == _spec(EXPECTED_SPECS.get(path[-1], P())), (path, array.sharding.spec)
+        assert spec_of(array) == spec_of(EXPECTED_SPECS.get(path[-1], P())), (path, array.sharding.spec)
     engine, outputs = _run(loaded, prompts)
     assert outputs == expected
     for layer in engine.kv_caches:  # [pages, page_size, 2K, D]: pages on data, KV heads on model
-        assert _spec(layer) == ("data", None, "model")
+        assert spec_of(layer) == ("data", None, "model")
         shard = layer.addressable_shards[0].data
         assert shard.shape[0] * 2 == layer.shape[0] == 64 and shard.shape[2] * 2 == layer.shape[2]
     assert engine.scheduler.num_replicas == 2 and sorted(set(engine.placements.values())) == [0, 1]
@@ -200,33 +178,8 @@ def test_preemption_swap_and_forks_on_two_replicas(four_kv_heads, monkeypatch):
 
 
 def _collectives(loaded) -> collections.Counter:
-    """Collective ops in the compiled text of the data-parallel step, as it ran on `loaded`."""
-    captured = []
-    step = engine_module.data_parallel_step
-
-    def spy(graph, *args):
-        abstract = jax.tree.map(
-            lambda x: (
-                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-                if hasattr(x, "shape")
-                else x
-            ),
-            args,
-        )
-        captured.append((graph, abstract))
-        return step(graph, *args)
-
-    engine_module.data_parallel_step = spy
-    try:
-        _run(loaded, _prompts(2))
-    finally:
-        engine_module.data_parallel_step = step
-    graph, args = captured[-1]
-    with jax.set_mesh(loaded.mesh):
-        text = step.lower(graph, *args).compile().as_text()
-    return collections.Counter(
-        re.findall(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", text)
-    )
+    """Collective ops in the compiled step, as it ran on `loaded`'s mesh."""
+    return step_collectives("data_parallel_step", lambda: _run(loaded, _prompts(2)), loaded.mesh)
 
 
 def test_nothing_crosses_replicas_in_the_step(four_kv_heads):

@@ -2,7 +2,6 @@
 
 import collections
 import logging
-import re
 
 import jax
 import jax.numpy as jnp
@@ -10,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from mesh_cases import EXPECTED_SPECS, spec_of, step_collectives
 
 import models
-import paxkv.engine as engine_module
 from models.sharding import attention_on_mesh
 from pallas_kernels import AttentionMetadata
 from paxkv import LLM
@@ -20,20 +19,6 @@ from paxkv.config import EngineConfig
 from paxkv.engine import Engine
 from paxkv.mesh import make_mesh, parse_mesh_shape
 from paxkv.sampling_params import SamplingParams
-
-# Written out here, independently of models/sharding.py: where each parameter's axes go under tensor
-# parallelism (q/k/v/gate/up by output columns, o/down by input rows, embedding and lm_head by vocab).
-EXPECTED_SPECS = {
-    "q_proj": P(None, "model", None),
-    "k_proj": P(None, "model", None),
-    "v_proj": P(None, "model", None),
-    "o_proj": P("model", None, None),
-    "gate": P(None, "model"),
-    "up": P(None, "model"),
-    "down": P("model", None),
-    "embed": P("model", None),
-    "lm_head": P(None, "model"),
-}
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +34,6 @@ def eight_kv_heads(tmp_path_factory, make_tiny_llama):
         initializer_range=0.1,
     ).save_pretrained(path)
     return path
-
-
-def _spec(array_or_spec) -> tuple:
-    """A PartitionSpec (or an array's) without trailing Nones, so P(None,) and P() both read as replicated."""
-    spec = tuple(getattr(getattr(array_or_spec, "sharding", None), "spec", array_or_spec))
-    while spec and spec[-1] is None:
-        spec = spec[:-1]
-    return spec
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:
@@ -88,7 +65,7 @@ def test_greedy_tokens_match_one_device_for_every_model_size(eight_kv_heads):
         for path, variable in nnx.to_flat_state(loaded.state):
             array = variable.get_value()
             spec = EXPECTED_SPECS.get(path[-1], P())  # norms are replicated
-            assert _spec(array) == _spec(spec), (model_size, path, array.sharding.spec)
+            assert spec_of(array) == spec_of(spec), (model_size, path, array.sharding.spec)
             if spec != P():
                 split = spec.index("model")
                 assert array.addressable_shards[0].data.shape[split] * model_size == array.shape[split]
@@ -97,7 +74,7 @@ def test_greedy_tokens_match_one_device_for_every_model_size(eight_kv_heads):
         if model_size == 1:
             continue  # a one-device mesh runs the plain single-device engine
         for layer in engine.kv_caches:  # KV heads (axis 2 of [pages, page_size, 2K, D]) split on model
-            assert _spec(layer) == _spec(P(None, None, "model", None))
+            assert spec_of(layer) == spec_of(P(None, None, "model", None))
             assert layer.addressable_shards[0].data.shape[2] * model_size == layer.shape[2]
 
 
@@ -109,8 +86,8 @@ def test_quantized_pool_shards_its_scales_with_its_heads(eight_kv_heads, kv_cach
     engine, tokens = _greedy(_on_mesh(eight_kv_heads, 4), prompts, kv_cache_dtype=kv_cache_dtype)
     assert tokens == expected
     layer = engine.kv_caches[0]
-    assert _spec(layer.pages) == _spec(P(None, None, "model", None))
-    assert _spec(layer.scales) == _spec(P(None, "model", None))  # [pages, 2K, page_size]
+    assert spec_of(layer.pages) == spec_of(P(None, None, "model", None))
+    assert spec_of(layer.scales) == spec_of(P(None, "model", None))  # [pages, 2K, page_size]
 
 
 @pytest.mark.parametrize("attention_impl", ["interpret_gpu", "interpret_tpu"])
@@ -163,30 +140,8 @@ def test_swap_preemption_and_forks_on_the_mesh(eight_kv_heads):
 
 
 def _collectives(loaded) -> collections.Counter:
-    """Collective ops in the compiled text of the engine's step, as it ran on `loaded`."""
-    captured = []
-    step = engine_module.engine_step
-
-    def abstract(x):
-        return (
-            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)) if hasattr(x, "shape") else x
-        )
-
-    def spy(graph, *args):
-        captured.append((graph, jax.tree.map(abstract, args)))
-        return step(graph, *args)
-
-    engine_module.engine_step = spy
-    try:
-        _greedy(loaded, [[1, 2, 3, 4, 5]])
-    finally:
-        engine_module.engine_step = step
-    graph, args = captured[-1]
-    with jax.set_mesh(loaded.mesh):
-        text = step.lower(graph, *args).compile().as_text()
-    return collections.Counter(
-        re.findall(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", text)
-    )
+    """Collective ops in the compiled step, as it ran on `loaded`'s mesh."""
+    return step_collectives("engine_step", lambda: _greedy(loaded, [[1, 2, 3, 4, 5]]), loaded.mesh)
 
 
 def test_step_holds_two_all_reduces_per_layer(eight_kv_heads):
@@ -208,10 +163,10 @@ def test_smollm2_replicates_its_three_kv_heads_on_model_2(caplog):
         engine, tokens = _greedy(loaded, prompts)
     assert tokens == expected
     assert "REPLICATED" in caplog.text and "3 KV heads" in caplog.text
-    assert _spec(engine.kv_caches[0]) == ()
+    assert spec_of(engine.kv_caches[0]) == ()
     state = {path[-1]: variable.get_value() for path, variable in nnx.to_flat_state(loaded.state)}
-    assert _spec(state["k_proj"]) == ()  # 3 heads: replicated
-    assert _spec(state["gate"]) == (None, "model")  # the MLP is still split
+    assert spec_of(state["k_proj"]) == ()  # 3 heads: replicated
+    assert spec_of(state["gate"]) == (None, "model")  # the MLP is still split
 
 
 def test_replicated_attention_leaves_one_all_reduce_per_layer(tmp_path, make_tiny_llama):

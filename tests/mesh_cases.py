@@ -1,0 +1,65 @@
+"""What the mesh tests share: the expected parameter shardings, and the collectives of a compiled step."""
+
+import collections
+import re
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+import paxkv.engine as engine_module
+
+# Written out here, independently of models/sharding.py: where each parameter's axes go under tensor
+# parallelism (q/k/v/gate/up by output columns, o/down by input rows, embedding and lm_head by vocab);
+# parameters are replicated over "data".
+EXPECTED_SPECS = {
+    "q_proj": P(None, "model", None),
+    "k_proj": P(None, "model", None),
+    "v_proj": P(None, "model", None),
+    "o_proj": P("model", None, None),
+    "gate": P(None, "model"),
+    "up": P(None, "model"),
+    "down": P("model", None),
+    "embed": P("model", None),
+    "lm_head": P(None, "model"),
+}
+
+
+def spec_of(array_or_spec) -> tuple:
+    """A PartitionSpec (or an array's) without trailing Nones, so P(None,) and P() both read as replicated."""
+    spec = tuple(getattr(getattr(array_or_spec, "sharding", None), "spec", array_or_spec))
+    while spec and spec[-1] is None:
+        spec = spec[:-1]
+    return spec
+
+
+def step_collectives(step_name: str, run, mesh) -> collections.Counter:
+    """Collective ops in the compiled text of paxkv.engine's `step_name` as `run()` last called it on `mesh`.
+
+    Args:
+      step_name: "engine_step" or "data_parallel_step".
+      run: drives an engine on the mesh.
+      mesh: the engine's mesh.
+    """
+    captured = []
+    step = getattr(engine_module, step_name)
+
+    def abstract(x):
+        return (
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)) if hasattr(x, "shape") else x
+        )
+
+    def spy(graph, *args):
+        captured.append((graph, jax.tree.map(abstract, args)))
+        return step(graph, *args)
+
+    setattr(engine_module, step_name, spy)
+    try:
+        run()
+    finally:
+        setattr(engine_module, step_name, step)
+    graph, args = captured[-1]
+    with jax.set_mesh(mesh):
+        text = step.lower(graph, *args).compile().as_text()
+    return collections.Counter(
+        re.findall(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", text)
+    )
