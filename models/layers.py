@@ -80,7 +80,7 @@ class PagedAttention(nnx.Module):
         self,
         x: jax.Array,  # [T, D]
         positions: jax.Array,  # i32[T]
-        kv_pages: jax.Array,  # [num_pages, page_size, 2K, H]
+        kv_pages: jax.Array,  # [num_pages, page_size, 2K * H]
         metadata: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:
         dtype = x.dtype

@@ -23,7 +23,7 @@ class DecoderLayer(nnx.Module):
         self,
         x: jax.Array,  # [T, D]
         positions: jax.Array,  # i32[T]
-        kv_pages: jax.Array,  # [num_pages, page_size, 2K, H]
+        kv_pages: jax.Array,  # [num_pages, page_size, 2K * H]
         metadata: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:  # ([T, D], kv_pages)
         """Attend (writing this step's K/V into the pages), then the MLP, each around a residual."""
@@ -73,7 +73,7 @@ class Llama(nnx.Module):
         self,
         tokens: jax.Array,  # i32[T]
         positions: jax.Array,  # i32[T]
-        kv_caches: list[jax.Array],  # num_layers x [num_pages, page_size, 2K, H]
+        kv_caches: list[jax.Array],  # num_layers x [num_pages, page_size, 2K * H]
         metadata: AttentionMetadata,
     ) -> tuple[jax.Array, list[jax.Array]]:  # ([T, D] final hidden states, kv_caches)
         """Run the ragged batch through every layer, writing its K/V into the pages."""

@@ -9,20 +9,26 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
-from pallas_kernels import AttentionMetadata
+from pallas_kernels import AttentionMetadata, QuantizedKVPages, allocate_pages
 
 
-def allocate_kv_caches(config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32) -> list[jax.Array]:
-    """Zeroed page pools, one per layer, each [num_pages, page_size, 2 * num_kv_heads, head_dim].
+def allocate_kv_caches(
+    config: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32, num_groups: int = 1
+) -> list[jax.Array | QuantizedKVPages]:
+    """Zeroed page pools, one per layer, each [num_pages, page_size, 2 * num_kv_heads * head_dim] (8-bit dtypes
+    with their scales; see pallas_kernels.kv_pages).
 
     Args:
       config: the model whose layers and KV heads size the pools.
       num_pages: pages per layer, including the null page 0.
       page_size: tokens per page.
-      dtype: storage dtype of K/V.
+      dtype: storage dtype of K/V (f32, bf16, or an 8-bit format).
+      num_groups: for 8-bit pools, the head groups of the scale layout (the pool's shards over KV heads).
     """
-    shape = (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
-    return [jnp.zeros(shape, dtype) for _ in range(config.num_layers)]
+    return [
+        allocate_pages(num_pages, page_size, config.num_kv_heads, config.head_dim, dtype, num_groups)
+        for _ in range(config.num_layers)
+    ]
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
@@ -30,7 +36,7 @@ def forward_over_pages(
     graphdef: nnx.GraphDef,
     state: nnx.State,
     tokens: jax.Array,  # i32[T]
-    kv_caches: list[jax.Array],  # num_layers x [num_pages, page_size, 2K, H]
+    kv_caches: list[jax.Array],  # num_layers x [num_pages, page_size, 2K * H]
     positions: jax.Array,  # i32[T]
     metadata: AttentionMetadata,
     logits_indices: jax.Array,  # i32[R] rows of the batch whose logits are wanted

@@ -7,7 +7,7 @@ import jax
 from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pallas_kernels import QuantizedKVPages, paged_attention, resolve_attention_impl
+from pallas_kernels import paged_attention, pool_partition_spec, resolve_attention_impl
 
 # Logical axis -> mesh axis. Tensor parallelism splits heads, MLP width and vocab over "model".
 DEFAULT_SHARDING_RULES: dict[str, str | None] = {
@@ -100,10 +100,10 @@ def attention_on_mesh(q, k, v, kv_pages, metadata, *, attention_impl: str, **opt
     """paged_attention, run per model shard under shard_map when a Pallas kernel meets a mesh.
 
     The XLA path is plain jnp, which the compiler partitions by itself. A Pallas kernel is one opaque call
-    that the partitioner would feed whole (gathering the pool onto every device), so under a context mesh
-    (jax.set_mesh) with "model" > 1 each shard runs the kernel on its own KV heads: q, k, v and the pool's
-    head axis split on "model" when the KV heads divide it, else everything is replicated and each shard
-    attends over all heads.
+    that the partitioner would feed whole (gathering the pool onto every device), and that libtpu refuses to
+    partition at all, so under a context mesh (jax.set_mesh) each shard runs the kernel on its own KV heads:
+    q, k, v and the pool's head axis split on "model" when the KV heads divide it, else everything is
+    replicated and each shard attends over all heads.
 
     Args:
       q, k, v, kv_pages, metadata: as pallas_kernels.paged_attention.
@@ -111,20 +111,21 @@ def attention_on_mesh(q, k, v, kv_pages, metadata, *, attention_impl: str, **opt
     """
     call = functools.partial(paged_attention, attention_impl=attention_impl, **options)
     mesh = jax.sharding.get_abstract_mesh()
-    if resolve_attention_impl(attention_impl) == "xla" or mesh.empty or mesh.shape.get("model", 1) == 1:
+    # Mosaic and Triton calls must see no automatic axis at all, even one of size 1: every axis not already
+    # manual (inside a data-parallel step "data" is) goes manual here.
+    automatic = [name for name in mesh.axis_names if name not in mesh.manual_axes]
+    if resolve_attention_impl(attention_impl) == "xla" or mesh.empty or not automatic:
         return call(q, k, v, kv_pages, metadata)
     num_kv_heads = k.shape[1]
-    heads = "model" if num_kv_heads % mesh.shape["model"] == 0 else None
+    heads = "model" if "model" in automatic and num_kv_heads % mesh.shape["model"] == 0 else None
     per_token = PartitionSpec(None, heads, None)  # [T, heads, D]
-    pages = PartitionSpec(None, None, heads, None)  # [num_pages, P, 2K, D]
-    if isinstance(kv_pages, QuantizedKVPages):
-        pages = QuantizedKVPages(pages=pages, scales=PartitionSpec(None, heads, None), value_dtype=kv_pages.value_dtype)
+    pages = pool_partition_spec(kv_pages, page_axis=None, head_axis=heads)
     metadata_spec = jax.tree.map(lambda _: PartitionSpec(), metadata)
     sharded = jax.shard_map(
         call,
         in_specs=(per_token, per_token, per_token, pages, metadata_spec),
         out_specs=(per_token, pages),
-        axis_names={"model"},  # inside a data-parallel step "data" is already manual
+        axis_names=set(automatic),
         check_vma=False,
     )
     return sharded(q, k, v, kv_pages, metadata)

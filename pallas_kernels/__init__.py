@@ -1,5 +1,13 @@
 """Paged-attention kernels and their pure-jnp references; depends on jax only."""
 
+from pallas_kernels.kv_pages import (
+    allocate_pages,
+    num_kv_heads_of,
+    page_bytes,
+    page_view,
+    pool_partition_spec,
+    write_kv,
+)
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.ops import (
     ATTENTION_IMPLS,
@@ -17,15 +25,20 @@ from pallas_kernels.quantization import (
     rotation_matrix,
 )
 from pallas_kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
-from pallas_kernels.reference import ragged_paged_attention_reference, write_kv_reference
+from pallas_kernels.reference import ragged_paged_attention_reference
 
 __all__ = [
     "ATTENTION_IMPLS",
     "AttentionMetadata",
     "QuantizedKVPages",
     "RESOLVED_IMPLS",
+    "allocate_pages",
     "empty_quantized_pages",
     "is_quantized",
+    "num_kv_heads_of",
+    "page_bytes",
+    "page_view",
+    "pool_partition_spec",
     "paged_attention",
     "paged_attention_gpu",
     "quantize_per_row",
@@ -34,5 +47,5 @@ __all__ = [
     "ragged_paged_attention_tpu",
     "rotation_matrix",
     "resolve_attention_impl",
-    "write_kv_reference",
+    "write_kv",
 ]

@@ -2,11 +2,12 @@
 
 import jax
 
+from pallas_kernels.kv_pages import write_kv
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.paged_attention_gpu import paged_attention_gpu
 from pallas_kernels.quantization import QuantizedKVPages, rotate, unrotate
 from pallas_kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
-from pallas_kernels.reference import ragged_paged_attention_reference, write_kv_reference
+from pallas_kernels.reference import ragged_paged_attention_reference
 
 # What a config may ask for.
 ATTENTION_IMPLS = ("auto", "pallas", "interpret", "xla")
@@ -51,7 +52,7 @@ def resolve_attention_impl(attention_impl: str = "auto", backend: str | None = N
 
 def ragged_attention(
     q: jax.Array,  # [T, num_q_heads, D]
-    kv_pages: jax.Array | QuantizedKVPages,  # [num_pages, page_size, 2 * K, D]
+    kv_pages: jax.Array | QuantizedKVPages,  # [num_pages, page_size, 2 * K * D]
     metadata: AttentionMetadata,
     *,
     sm_scale: float,
@@ -83,7 +84,7 @@ def paged_attention(
     q: jax.Array,  # [T, num_q_heads, D]
     k: jax.Array,  # [T, K, D]
     v: jax.Array,  # [T, K, D]
-    kv_pages: jax.Array | QuantizedKVPages,  # [num_pages, page_size, 2 * K, D]
+    kv_pages: jax.Array | QuantizedKVPages,  # [num_pages, page_size, 2 * K * D]
     metadata: AttentionMetadata,
     *,
     sm_scale: float,
@@ -111,7 +112,7 @@ def paged_attention(
     quantized = isinstance(kv_pages, QuantizedKVPages)
     if quantized:
         q, k, v = rotate(q), rotate(k), rotate(v)
-    kv_pages = write_kv_reference(kv_pages, k, v, metadata.slots)
+    kv_pages = write_kv(kv_pages, k, v, metadata.slots)
     out = ragged_attention(
         q,
         kv_pages,

@@ -29,11 +29,21 @@ from pallas_kernels.kernel_layout import (
     rows_to_tokens,
     tokens_to_rows,
 )
+from pallas_kernels.kv_pages import page_view
 from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.quantization import QuantizedKVPages
+from pallas_kernels.quantization import QuantizedKVPages, unpack_scale_words
 
 # Smallest query tile: Triton's dot needs at least 16 rows.
 _MIN_ROWS = 16
+# Prefill-shaped tiles: 128 query rows against 64-token KV blocks keep the scores, the running output and the
+# q tile in registers (ptxas for sm_90: 224 registers and no spills at head_dim 128; 128-token blocks spilled
+# 2 KB a thread). head_dim 256 halves the rows. Decode tiles (16 rows) read 128-token blocks, 64 at head_dim
+# 256 (where 128 spilled 8-40 bytes in FP8). Blocks smaller than a page read a slice of it. Both launch 8
+# warps over 2 stages (4 warps, capped at 128 registers, spilled int8 decode tiles).
+_PREFILL_ROWS = 128
+_PREFILL_BLOCK_TOKENS = 64
+_DECODE_BLOCK_TOKENS = 128
+_NUM_WARPS, _NUM_STAGES = 8, 2
 
 
 def _attention_kernel(
@@ -43,11 +53,12 @@ def _attention_kernel(
     cu_q_lens_ref,  # i32[S + 1]
     kv_lens_ref,  # i32[S]
     q_ref,  # [rows, D] this KV head's query rows of this block
-    kv_pages_ref,  # [num_pages, P, 2K, D]
-    scales_ref,  # bf16[num_pages, 2K, P] or None
+    kv_pages_ref,  # [num_pages, P, 2K, D] (the pool's [.., 2K * D] rows seen per head slot)
+    scales_ref,  # u32[num_pages, 1, lanes] packed K and V scales, or None
     out_ref,  # [rows, D]
     *,
     layout: KernelLayout,
+    value_dtype,
 ):
     head = pl.program_id(0)
     q_block = pl.program_id(1)
@@ -63,16 +74,25 @@ def _attention_kernel(
         start, stop = kv_block_range(q_start, q_end, kv_len, block_first_token, layout)
 
         def attend_block(kv_block, carry):
-            table_start = row * layout.pages_per_seq + kv_block * pages_per_block
-            page_ids = block_tables_ref[pl.ds(table_start, pages_per_block)]  # i32[pages_per_block]
-            visible, in_sequence = block_masks(row_tokens, q_start, q_end, kv_len, kv_block, layout)
-            keys = kv_pages_ref[page_ids, :, 2 * head, :].reshape(block_tokens, head_dim)  # [B, D]
-            values = kv_pages_ref[page_ids, :, 2 * head + 1, :].reshape(block_tokens, head_dim)  # [B, D]
+            masks = block_masks(row_tokens, q_start, q_end, kv_len, kv_block, layout)
+            if layout.blocks_per_page == 1:
+                table_start = row * layout.pages_per_seq + kv_block * pages_per_block
+                page_ids = block_tables_ref[pl.ds(table_start, pages_per_block)]  # i32[pages_per_block]
+                tokens, scale_lanes = slice(None), pl.ds(head * layout.page_size, layout.page_size)
+            else:  # the block is a slice of one page
+                page_ids = block_tables_ref[row * layout.pages_per_seq + kv_block // layout.blocks_per_page]
+                offset = (kv_block % layout.blocks_per_page) * block_tokens
+                tokens, scale_lanes = pl.ds(offset, block_tokens), pl.ds(head * layout.page_size + offset, block_tokens)
+            keys = kv_pages_ref[page_ids, tokens, 2 * head, :].reshape(block_tokens, head_dim)  # [B, D]
+            values = kv_pages_ref[page_ids, tokens, 2 * head + 1, :].reshape(block_tokens, head_dim)  # [B, D]
             key_scales = value_scales = None
             if scales_ref is not None:
-                key_scales = scales_ref[page_ids, 2 * head, :].reshape(1, block_tokens)
-                value_scales = scales_ref[page_ids, 2 * head + 1, :].reshape(1, block_tokens)
-            return fold_kv_block(carry, q, keys, values, key_scales, value_scales, visible, in_sequence, layout)
+                words = scales_ref[page_ids, 0, scale_lanes]  # u32[pages_per_block, P] or u32[B]
+                key_scales, value_scales = unpack_scale_words(words.reshape(1, block_tokens))
+            if value_dtype is not None:
+                keys = jax.lax.bitcast_convert_type(keys, value_dtype)
+                values = jax.lax.bitcast_convert_type(values, value_dtype)
+            return fold_kv_block(carry, q, keys, values, key_scales, value_scales, masks, layout)
 
         return jax.lax.fori_loop(start, stop, attend_block, carry)
 
@@ -94,6 +114,31 @@ def _check_power_of_two(name: str, value: int):
         )
 
 
+def gpu_layout(q, kv_pages, metadata, **options) -> KernelLayout:
+    """The GPU kernel's tiling of a batch of this shape (q [T, N, D], the pool's values [N, P, 2K * D]).
+
+    Args:
+      q, kv_pages, metadata: the call's inputs (shapes only).
+      options: sm_scale, sliding_window, soft_cap, queries_per_block, pages_per_block (see kernel_layout).
+    """
+    head_dim = q.shape[-1]
+    return kernel_layout(
+        q,
+        kv_pages,
+        metadata,
+        min_rows=_MIN_ROWS,
+        pad_group=True,
+        # One token per decode tile (dummy query heads fill it to 16 rows): one program per
+        # (sequence, KV head) keeps every SM busy on a decode batch.
+        decode_queries_per_block=1,
+        prefill_rows=_PREFILL_ROWS * 128 // max(128, head_dim),
+        prefill_block_tokens=_PREFILL_BLOCK_TOKENS,
+        decode_block_tokens=_DECODE_BLOCK_TOKENS * 128 // max(128, head_dim),
+        split_pages=True,
+        **options,
+    )
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -109,7 +154,7 @@ def _check_power_of_two(name: str, value: int):
 )
 def paged_attention_gpu(
     q: jax.Array,  # [T, num_q_heads, D]
-    kv_pages: jax.Array | QuantizedKVPages,  # [num_pages, page_size, 2 * K, D]
+    kv_pages: jax.Array | QuantizedKVPages,  # [num_pages, page_size, 2 * K * D]
     metadata: AttentionMetadata,
     *,
     sm_scale: float,
@@ -117,8 +162,8 @@ def paged_attention_gpu(
     soft_cap: float | None = None,
     queries_per_block: int | None = None,
     pages_per_block: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # [T, num_q_heads, D]
     """Causal attention of each new token over its sequence's pages, on a GPU (or interpreted).
@@ -131,13 +176,18 @@ def paged_attention_gpu(
       sliding_window: if set, a token sees only the last `sliding_window` positions.
       soft_cap: if set, scores become soft_cap * tanh(scores / soft_cap).
       queries_per_block, pages_per_block: overrides of the default tiling (powers of two).
-      num_warps, num_stages: Triton launch parameters.
+      num_warps, num_stages: Triton launch parameters (default 8 and 2).
       interpret: run the kernel with Pallas' generic interpreter (CPU).
     """
-    scales = None
+    scales = value_dtype = None
     if isinstance(kv_pages, QuantizedKVPages):
-        kv_pages, scales = kv_pages.values(), kv_pages.scale_values()
-    layout = kernel_layout(
+        if kv_pages.num_groups != 1:
+            raise ValueError(
+                f"the GPU kernel reads one scale group, but the pool has {kv_pages.num_groups}; run it per "
+                "model shard (models.sharding.attention_on_mesh does) so each shard sees its own group"
+            )
+        kv_pages, scales, value_dtype = kv_pages.pages, kv_pages.scales, kv_pages.dtype
+    layout = gpu_layout(
         q,
         kv_pages,
         metadata,
@@ -146,12 +196,8 @@ def paged_attention_gpu(
         soft_cap=soft_cap,
         queries_per_block=queries_per_block,
         pages_per_block=pages_per_block,
-        min_rows=_MIN_ROWS,
-        power_of_two_group=True,
-        # One token per decode tile (dummy query heads fill it to 16 rows): one program per
-        # (sequence, KV head) keeps every SM busy on a decode batch.
-        decode_queries_per_block=1,
     )
+    num_warps, num_stages = num_warps or _NUM_WARPS, num_stages or _NUM_STAGES
     for name, value in (
         ("page_size", layout.page_size),
         ("head_dim", layout.head_dim),
@@ -165,7 +211,8 @@ def paged_attention_gpu(
     rows = layout.queries_per_block * layout.group
     row_block = pl.BlockSpec((None, rows, head_dim), lambda head, q_block: (head, q_block, 0))
     whole = pl.BlockSpec(memory_space=pl.ANY)
-    inputs = [first_rows, last_rows, block_tables.reshape(-1), metadata.cu_q_lens, metadata.kv_lens, q_rows, kv_pages]
+    kv_heads = page_view(kv_pages, head_dim)  # free on a GPU: the same bytes, row-major
+    inputs = [first_rows, last_rows, block_tables.reshape(-1), metadata.cu_q_lens, metadata.kv_lens, q_rows, kv_heads]
     in_specs = [whole] * 5 + [row_block, whole]
     if scales is not None:
         inputs.append(scales)
@@ -174,7 +221,7 @@ def paged_attention_gpu(
     def kernel(*refs):
         scalars, q_ref, kv_ref = refs[:5], refs[5], refs[6]
         scales_ref = refs[7] if scales is not None else None
-        _attention_kernel(*scalars, q_ref, kv_ref, scales_ref, refs[-1], layout=layout)
+        _attention_kernel(*scalars, q_ref, kv_ref, scales_ref, refs[-1], layout=layout, value_dtype=value_dtype)
 
     out_rows = pl.pallas_call(
         kernel,

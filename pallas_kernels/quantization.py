@@ -6,6 +6,11 @@ attention-weighted sum of V are unchanged when q, k and v are all turned by R an
 turned back, but a rotated vector has its energy spread over all channels, so one outlier channel
 no longer sets every other channel's step size. `ops.paged_attention` does the turning; the kernels
 and the reference attend over whatever the pages hold.
+
+The scales' layout is chosen for the TPU (kv_pages.py says why): one 32-bit word per (page, KV head,
+token) holding the K scale's bf16 bits high and the V scale's low, the words of a page's heads in one
+row of lanes, [num_pages, G, lanes], where G is the number of head groups the pool is sharded into
+(1 unless the KV heads split over a mesh axis).
 """
 
 import dataclasses
@@ -16,6 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 QUANTIZED_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8)
+# Scale words per page row are padded to whole TPU lane tiles.
+LANE_TILE = 128
+_HIGH_HALF = 0xFFFF0000
 
 
 def is_quantized(dtype) -> bool:
@@ -29,33 +37,70 @@ def largest_value(dtype) -> float:
     return 127.0 if dtype == jnp.int8 else float(jnp.finfo(dtype).max)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["pages", "scales"], meta_fields=["value_dtype"])
+def scale_lanes(heads_per_group: int, page_size: int) -> int:
+    """Lanes of one page's scale row: a word per (KV head, token), padded to whole 128-lane tiles."""
+    return -(-heads_per_group * page_size // LANE_TILE) * LANE_TILE
+
+
+def pack_scale_words(key_scales: jax.Array, value_scales: jax.Array) -> jax.Array:  # u32[...]
+    """One word per pair: the K scale's bf16 bits in the high half, the V scale's in the low half."""
+    high = jax.lax.bitcast_convert_type(key_scales.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
+    low = jax.lax.bitcast_convert_type(value_scales.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
+    return (high << 16) | low
+
+
+def unpack_scale_words(words: jax.Array) -> tuple[jax.Array, jax.Array]:  # (f32[...], f32[...])
+    """(K scales, V scales) as f32, exactly the bf16 values packed: a bf16 is the high half of an f32."""
+    key_scales = jax.lax.bitcast_convert_type(words & jnp.uint32(_HIGH_HALF), jnp.float32)
+    value_scales = jax.lax.bitcast_convert_type(words << 16, jnp.float32)
+    return key_scales, value_scales
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["pages", "scales"], meta_fields=["value_dtype", "head_dim"]
+)
 @dataclasses.dataclass(frozen=True)
 class QuantizedKVPages:
     """One layer's 8-bit page pool and its scales; a pytree that attention accepts in place of plain pages.
 
-    Token t of page p, KV slot c (K of head h at c = 2h, V at c = 2h + 1) holds
-    `values()[p, t, c, :].astype(f32) * scale_values()[p, c, t]`. Scales sit page-major with the token
-    on the last (lane) axis, so a kernel folds them into a block's scores and probabilities
-    as one row vector instead of dequantizing the K/V tiles.
+    Token t of page p holds K of KV head h in lanes [2hD, 2hD + D) of `pages[p, t]` and V in the next D,
+    dequantized as `value * scale`; the scales of KV head h = g * K/G + i, token t, sit in word
+    `scales[p, g, i * page_size + t]` (see pack_scale_words).
 
-    Both arrays are stored as unsigned bits: XLA:CPU scatters into an integer array in place but
-    copies a whole float8 or bf16 array on every scatter (measured: 0.02 ms against 98 ms for 8
-    tokens into 1,024 pages). Readers bitcast what they read, which is free.
+    The values are stored as unsigned bits: XLA:CPU scatters into an integer array in place but copies a
+    whole float8 array on every scatter (measured: 0.02 ms against 98 ms for 8 tokens into 1,024 pages).
+    Readers bitcast what they read, which is free.
     """
 
-    pages: jax.Array  # u8[num_pages, page_size, 2 * K, D]: the 8-bit values' bits
-    scales: jax.Array  # u16[num_pages, 2 * K, page_size]: the bf16 scales' bits
+    pages: jax.Array  # u8[num_pages, page_size, 2 * K * D]: the 8-bit values' bits
+    scales: jax.Array  # u32[num_pages, G, scale_lanes(K / G, page_size)]: packed K and V scales
     value_dtype: str  # "float8_e4m3fn", "float8_e5m2" or "int8"
+    head_dim: int  # D
 
     @classmethod
-    def from_values(cls, values: jax.Array, scales: jax.Array) -> "QuantizedKVPages":
-        """Wrap 8-bit pages [num_pages, P, 2K, D] and their scales [num_pages, 2K, P] (any float dtype)."""
+    def from_values(cls, values: jax.Array, scales: jax.Array, num_groups: int = 1) -> "QuantizedKVPages":
+        """Pack 8-bit pages [num_pages, P, 2K, D] and their scales [num_pages, P, 2K] (any float dtype).
+
+        Args:
+          values: the 8-bit K/V, K at even and V at odd head slots.
+          scales: one per (page, token, head slot).
+          num_groups: G, the head groups the scales are laid out in (the pool's shards over KV heads).
+        """
         if not is_quantized(values.dtype):
             raise ValueError(f"pages must be float8 or int8, got {values.dtype}")
-        bits = jax.lax.bitcast_convert_type(values, jnp.uint8)
-        scale_bits = jax.lax.bitcast_convert_type(scales.astype(jnp.bfloat16), jnp.uint16)
-        return cls(bits, scale_bits, jnp.dtype(values.dtype).name)
+        num_pages, page_size, two_k, head_dim = values.shape
+        num_kv_heads = two_k // 2
+        if num_kv_heads % num_groups:
+            raise ValueError(f"{num_kv_heads} KV heads do not split into {num_groups} groups")
+        bits = jax.lax.bitcast_convert_type(values, jnp.uint8).reshape(num_pages, page_size, two_k * head_dim)
+        words = pack_scale_words(scales[..., 0::2], scales[..., 1::2])  # u32[N, P, K]
+        heads_per_group = num_kv_heads // num_groups
+        # [N, P, G, K/G] -> [N, G, K/G, P] -> [N, G, K/G * P], padded to whole lane tiles.
+        words = words.reshape(num_pages, page_size, num_groups, heads_per_group).transpose(0, 2, 3, 1)
+        words = words.reshape(num_pages, num_groups, heads_per_group * page_size)
+        lanes = scale_lanes(heads_per_group, page_size)
+        words = jnp.pad(words, ((0, 0), (0, 0), (0, lanes - words.shape[-1])))
+        return cls(bits, words, jnp.dtype(values.dtype).name, head_dim)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -67,34 +112,59 @@ class QuantizedKVPages:
         """The 8-bit storage dtype of the values."""
         return jnp.dtype(self.value_dtype)
 
-    def values(self) -> jax.Array:  # [num_pages, P, 2K, D] in dtype
+    @property
+    def num_kv_heads(self) -> int:
+        """K, the KV heads a token row holds."""
+        return self.pages.shape[2] // (2 * self.head_dim)
+
+    @property
+    def num_groups(self) -> int:
+        """G, the head groups of the scale layout."""
+        return self.scales.shape[1]
+
+    def values(self) -> jax.Array:  # [num_pages, P, 2K * D] in dtype
         """The pages as their 8-bit values."""
         return jax.lax.bitcast_convert_type(self.pages, self.dtype)
 
-    def scale_values(self) -> jax.Array:  # bf16[num_pages, 2K, P]
-        """The scales as bf16."""
-        return jax.lax.bitcast_convert_type(self.scales, jnp.bfloat16)
+    def token_scales(self, page_ids: jax.Array | None = None) -> jax.Array:  # f32[*page_ids.shape, P, 2K]
+        """The scales of the given pages (all when None) per token and head slot, K at even and V at odd."""
+        words = self.scales if page_ids is None else self.scales[page_ids]  # u32[..., G, lanes]
+        page_size, num_kv_heads = self.pages.shape[1], self.num_kv_heads
+        heads_per_group = num_kv_heads // self.num_groups
+        lead = words.shape[:-2]
+        words = words[..., : heads_per_group * page_size].reshape(*lead, num_kv_heads, page_size)
+        key_scales, value_scales = unpack_scale_words(jnp.swapaxes(words, -1, -2))  # f32[..., P, K] each
+        return jnp.stack([key_scales, value_scales], axis=-1).reshape(*lead, page_size, 2 * num_kv_heads)
 
     def gather(self, page_ids: jax.Array) -> jax.Array:  # f32[*page_ids.shape, P, 2K, D]
         """Dequantized f32 K/V of the given pages."""
         values = jax.lax.bitcast_convert_type(self.pages[page_ids], self.dtype).astype(jnp.float32)
-        scales = jax.lax.bitcast_convert_type(self.scales[page_ids], jnp.bfloat16).astype(jnp.float32)
-        return values * jnp.swapaxes(scales, -1, -2)[..., None]
+        values = values.reshape(*values.shape[:-1], 2 * self.num_kv_heads, self.head_dim)
+        return values * self.token_scales(page_ids)[..., None]
 
 
-def empty_quantized_pages(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype) -> QuantizedKVPages:
+def empty_quantized_pages(
+    num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype, num_groups: int = 1
+) -> QuantizedKVPages:
     """A zeroed 8-bit pool with unit scales.
 
     Args:
       num_pages, page_size, num_kv_heads, head_dim: the pool's shape.
       dtype: float8_e4m3fn, float8_e5m2 or int8.
+      num_groups: G, the head groups the scales are laid out in (the pool's shards over KV heads).
     """
     if not is_quantized(dtype):
         names = [jnp.dtype(d).name for d in QUANTIZED_DTYPES]
         raise ValueError(f"quantized pages need an 8-bit dtype ({names}), got {dtype}")
-    return QuantizedKVPages.from_values(
-        jnp.zeros((num_pages, page_size, 2 * num_kv_heads, head_dim), dtype),
-        jnp.ones((num_pages, 2 * num_kv_heads, page_size), jnp.bfloat16),
+    if num_kv_heads % num_groups:
+        raise ValueError(f"{num_kv_heads} KV heads do not split into {num_groups} groups")
+    one = pack_scale_words(jnp.ones((), jnp.float32), jnp.ones((), jnp.float32))
+    lanes = scale_lanes(num_kv_heads // num_groups, page_size)
+    return QuantizedKVPages(
+        pages=jnp.zeros((num_pages, page_size, 2 * num_kv_heads * head_dim), jnp.uint8),
+        scales=jnp.full((num_pages, num_groups, lanes), one, jnp.uint32),
+        value_dtype=jnp.dtype(dtype).name,
+        head_dim=head_dim,
     )
 
 
@@ -128,9 +198,8 @@ def quantize_per_row(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 
 
 def dequantize_pages(kv: QuantizedKVPages) -> jax.Array:  # f32[num_pages, page_size, 2K, D]
-    """The whole pool in f32: what the reference attends over for quantized pages."""
-    scales = kv.scale_values().astype(jnp.float32).transpose(0, 2, 1)[..., None]
-    return kv.values().astype(jnp.float32) * scales
+    """The whole pool in f32, one head slot per row: what the reference attends over for quantized pages."""
+    return kv.gather(jnp.arange(kv.pages.shape[0]))
 
 
 @functools.cache

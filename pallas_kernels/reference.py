@@ -1,4 +1,4 @@
-"""Pure-jnp ragged paged attention and KV write: the reference every kernel is checked against."""
+"""Pure-jnp ragged paged attention: the reference every kernel is checked against."""
 
 import functools
 from typing import NamedTuple
@@ -6,8 +6,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_pages import num_kv_heads_of, page_view
 from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.quantization import QuantizedKVPages, quantize_per_row
+from pallas_kernels.quantization import QuantizedKVPages
 
 # Letters in einsum strings:
 #   T new tokens, K kv heads, G query heads per kv head, D head_dim, P tokens in one page.
@@ -15,48 +16,11 @@ from pallas_kernels.quantization import QuantizedKVPages, quantize_per_row
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def write_kv_reference(
-    kv_pages: jax.Array | QuantizedKVPages,  # [num_pages, page_size, 2 * K, D]
-    k: jax.Array,  # [T, K, D]
-    v: jax.Array,  # [T, K, D]
-    slots: jax.Array,  # i32[T]
-) -> jax.Array | QuantizedKVPages:
-    """Scatter new K/V into their slots; K sits at even head slots and V at odd ones.
-
-    8-bit pools (QuantizedKVPages) are quantized on the way in, one scale per token and KV head.
-
-    Args:
-      kv_pages: one layer's page pool, plain or 8-bit (FP8 or int8) with scales.
-      k, v: the new tokens' keys and values.
-      slots: page * page_size + offset for each token; padding points into the null page 0.
-    """
-    num_pages, page_size, two_k, head_dim = kv_pages.shape
-    num_tokens, num_kv_heads, _ = k.shape
-    # [T, 2K, D] interleaved as k0, v0, k1, v1, ...
-    kv = jnp.stack([k, v], axis=2).reshape(num_tokens, two_k, head_dim)
-    if isinstance(kv_pages, QuantizedKVPages):
-        quantized, scales = quantize_per_row(kv, kv_pages.dtype)  # [T, 2K, D], bf16[T, 2K]
-        bits = jax.lax.bitcast_convert_type(quantized, jnp.uint8)
-        pages = _scatter_tokens(kv_pages.pages, bits, slots)
-        # Scales are [num_pages, 2K, page_size]: token t of page p is column t.
-        scale_bits = jax.lax.bitcast_convert_type(scales, jnp.uint16)
-        new_scales = kv_pages.scales.at[slots // page_size, :, slots % page_size].set(scale_bits)
-        return QuantizedKVPages(pages=pages, scales=new_scales, value_dtype=kv_pages.value_dtype)
-    return _scatter_tokens(kv_pages, kv.astype(kv_pages.dtype), slots)
-
-
-def _scatter_tokens(pages: jax.Array, kv: jax.Array, slots: jax.Array) -> jax.Array:
-    """pages [num_pages, P, 2K, D] with kv [T, 2K, D] written at flat token slots."""
-    num_pages, page_size, two_k, head_dim = pages.shape
-    flat = pages.reshape(num_pages * page_size, two_k, head_dim)
-    return flat.at[slots].set(kv).reshape(pages.shape)
-
-
-def _gather_pages(kv_pages: jax.Array | QuantizedKVPages, page_ids: jax.Array) -> jax.Array:
+def _gather_pages(kv_pages: jax.Array | QuantizedKVPages, page_ids: jax.Array, head_dim: int) -> jax.Array:
     """f32 K/V of the given pages: [*page_ids.shape, page_size, 2K, D], dequantized for 8-bit pools."""
     if isinstance(kv_pages, QuantizedKVPages):
         return kv_pages.gather(page_ids)
-    return kv_pages[page_ids].astype(jnp.float32)
+    return page_view(kv_pages[page_ids], head_dim).astype(jnp.float32)
 
 
 def token_sequence_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
@@ -98,7 +62,7 @@ def _online_softmax_step(carry, scores, visible, weighted_values, soft_cap):
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "kv_read"))
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, num_q_heads, D]
-    kv_pages: jax.Array | QuantizedKVPages,  # [num_pages, page_size, 2 * K, D]
+    kv_pages: jax.Array | QuantizedKVPages,  # [num_pages, page_size, 2 * K * D]
     metadata: AttentionMetadata,
     *,
     sm_scale: float,
@@ -119,7 +83,7 @@ def ragged_paged_attention_reference(
 
     Args:
       q: queries of the new tokens, already rotated.
-      kv_pages: one layer's page pool, K and V interleaved on the head axis; 8-bit pools
+      kv_pages: one layer's page pool, K and V interleaved per head in each token row; 8-bit pools
         (QuantizedKVPages) are dequantized block by block as they are read.
       metadata: the ragged batch layout (see AttentionMetadata).
       sm_scale: multiplier applied to q.k, usually head_dim ** -0.5.
@@ -128,7 +92,7 @@ def ragged_paged_attention_reference(
       kv_read: auto (= per_block) | per_token | per_sequence | per_block.
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = kv_pages.shape[2] // 2
+    num_kv_heads = num_kv_heads_of(kv_pages, head_dim)
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} kv heads")
     if kv_read not in KV_READS:
@@ -190,8 +154,7 @@ def _pad_block_tables(
 def _attend_per_token(q, kv_pages, block_tables, tokens, sliding_window, soft_cap):
     """Each token gathers its own sequence's next KV block at every step: [T, B] scores per step."""
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, two_k, _ = kv_pages.shape
-    num_kv_heads = two_k // 2
+    page_size, num_kv_heads = kv_pages.shape[1], num_kv_heads_of(kv_pages, head_dim)
     group = num_q_heads // num_kv_heads
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     block_tables, pages_per_block = _pad_block_tables(block_tables, page_size, _PER_TOKEN_KV_BLOCK_TOKENS)
@@ -200,7 +163,7 @@ def _attend_per_token(q, kv_pages, block_tables, tokens, sliding_window, soft_ca
 
     def attend_block(step, carry):
         page_ids = jax.lax.dynamic_slice_in_dim(token_block_tables, step * pages_per_block, pages_per_block, 1)
-        block = _gather_pages(kv_pages, page_ids).reshape(num_tokens, block_size, num_kv_heads, 2, head_dim)
+        block = _gather_pages(kv_pages, page_ids, head_dim).reshape(num_tokens, block_size, num_kv_heads, 2, head_dim)
         # [T, K, B, D] each: (token, kv head) lead, so both products are plain batched matmuls.
         keys = block[:, :, :, 0].transpose(0, 2, 1, 3)
         values = block[:, :, :, 1].transpose(0, 2, 1, 3)
@@ -245,7 +208,7 @@ def _attend_rows_of_block(q_heads, kv_pages, block_tables, pages_per_block, bloc
     num_kv_heads, rows, head_dim = q_heads.shape
     q_block = block_tokens.row.shape[0]
     group = rows // q_block
-    _, page_size, _, _ = kv_pages.shape
+    page_size = kv_pages.shape[1]
     block_size = pages_per_block * page_size
     live = block_tokens.kv_lens > 0  # bool[Q]
     first_row = block_tokens.row[0]
@@ -264,7 +227,7 @@ def _attend_rows_of_block(q_heads, kv_pages, block_tables, pages_per_block, bloc
 
         def attend_kv_block(step, carry):
             page_ids = jax.lax.dynamic_slice_in_dim(row_pages, step * pages_per_block, pages_per_block)
-            block = _gather_pages(kv_pages, page_ids)  # [pages_per_block, P, 2K, D]
+            block = _gather_pages(kv_pages, page_ids, head_dim)  # [pages_per_block, P, 2K, D]
             block = block.reshape(block_size, num_kv_heads, 2, head_dim)
             kv_positions = step * block_size + jnp.arange(block_size)
             keys = block[:, :, 0].transpose(1, 2, 0)  # [K, D, B]
@@ -292,8 +255,7 @@ def _attend_rows_of_block(q_heads, kv_pages, block_tables, pages_per_block, bloc
 def _attend_per_block(q, kv_pages, block_tables, tokens, sliding_window, soft_cap):
     """Query blocks of Q tokens: loop over the rows present, or read per token when a block spans many rows."""
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, two_k, _ = kv_pages.shape
-    num_kv_heads = two_k // 2
+    page_size, num_kv_heads = kv_pages.shape[1], num_kv_heads_of(kv_pages, head_dim)
     group = num_q_heads // num_kv_heads
     padded_tables, pages_per_block = _pad_block_tables(block_tables, page_size)
     q_block = _Q_BLOCK_TOKENS if num_tokens % _Q_BLOCK_TOKENS == 0 else num_tokens
@@ -333,8 +295,7 @@ def _attend_per_sequence(q, kv_pages, block_tables, kv_lens, tokens, sliding_win
     upper triangle of a causal prefill.
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, two_k, _ = kv_pages.shape
-    num_kv_heads = two_k // 2
+    page_size, num_kv_heads = kv_pages.shape[1], num_kv_heads_of(kv_pages, head_dim)
     group = num_q_heads // num_kv_heads
     num_rows = block_tables.shape[0]
     block_tables, pages_per_block = _pad_block_tables(block_tables, page_size)
@@ -353,7 +314,7 @@ def _attend_per_sequence(q, kv_pages, block_tables, kv_lens, tokens, sliding_win
 
         def attend_kv_block(step, carry):
             page_ids = jax.lax.dynamic_slice_in_dim(block_tables, step * pages_per_block, pages_per_block, 1)
-            block = _gather_pages(kv_pages, page_ids)  # [S, pages_per_block, P, 2K, D]
+            block = _gather_pages(kv_pages, page_ids, head_dim)  # [S, pages_per_block, P, 2K, D]
             block = block.reshape(num_rows * block_size, num_kv_heads, 2, head_dim)
             keys = block[:, :, 0].transpose(1, 2, 0)  # [K, D, S * B]
             values = block[:, :, 1].transpose(1, 0, 2)  # [K, S * B, D]

@@ -6,14 +6,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 import models
-from pallas_kernels import QuantizedKVPages, empty_quantized_pages
-from pallas_kernels.quantization import is_quantized
-from paxkv.mesh import pool_sharding
+from pallas_kernels import QuantizedKVPages, page_bytes
+from paxkv.mesh import num_scale_groups, pool_sharding
 
 # Config names of the 8-bit formats -> their jnp dtypes.
 QUANTIZED_NAMES = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2, "int8": jnp.int8}
-# An 8-bit pool stores one bf16 scale per token, KV head and K/V.
-SCALE_BYTES = 2
 
 
 def kv_storage_dtype(kv_cache_dtype: str, param_dtype) -> np.dtype:
@@ -28,16 +25,27 @@ def kv_storage_dtype(kv_cache_dtype: str, param_dtype) -> np.dtype:
     return np.dtype(QUANTIZED_NAMES.get(kv_cache_dtype, kv_cache_dtype))
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
-    """KV bytes one token costs: 2 x KV heads x head_dim x dtype bytes x layers, plus 8-bit scales.
+def kv_bytes_per_page(
+    num_layers: int, num_kv_heads: int, head_dim: int, dtype, page_size: int, num_groups: int = 1
+) -> int:
+    """KV bytes one page costs over all layers: 2 x KV heads x head_dim x dtype bytes per token, plus the
+    8-bit scales' rows (pallas_kernels.page_bytes).
 
     Args:
       num_layers, num_kv_heads, head_dim: the model's attention shape.
       dtype: the storage dtype.
+      page_size: tokens per page.
+      num_groups: for 8-bit pools, the head groups of the scale layout (paxkv.mesh.num_scale_groups).
     """
-    dtype = np.dtype(dtype)
-    per_head = head_dim * dtype.itemsize + (SCALE_BYTES if is_quantized(dtype) else 0)
-    return 2 * num_kv_heads * per_head * num_layers
+    return num_layers * page_bytes(page_size, num_kv_heads, head_dim, dtype, num_groups)
+
+
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, dtype, page_size: int = 16, num_groups: int = 1
+) -> float:
+    """KV bytes one token costs in full pages (kv_bytes_per_page / page_size); an int when it divides evenly."""
+    per_page = kv_bytes_per_page(num_layers, num_kv_heads, head_dim, dtype, page_size, num_groups)
+    return per_page // page_size if per_page % page_size == 0 else per_page / page_size
 
 
 def allocate_pool(
@@ -52,14 +60,31 @@ def allocate_pool(
       dtype: the storage dtype (kv_storage_dtype).
       mesh: if given, each device allocates only its shard (KV heads on "model", see mesh.pool_sharding).
     """
+    num_groups = num_scale_groups(model_config.num_kv_heads, mesh)
 
     def allocate():
-        if is_quantized(dtype):
-            shape = (num_pages, page_size, model_config.num_kv_heads, model_config.head_dim)
-            return [empty_quantized_pages(*shape, dtype) for _ in range(model_config.num_layers)]
-        return models.allocate_kv_caches(model_config, num_pages, page_size, dtype)
+        return models.allocate_kv_caches(model_config, num_pages, page_size, dtype, num_groups)
 
     if mesh is None:
         return allocate()
     shardings = [pool_sharding(layer, model_config.num_kv_heads, mesh) for layer in jax.eval_shape(allocate)]
     return jax.jit(allocate, out_shardings=shardings)()
+
+
+def abstract_pool(
+    model_config: models.ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh
+) -> list[jax.ShapeDtypeStruct | QuantizedKVPages]:
+    """The pool allocate_pool(..., mesh) makes, as ShapeDtypeStructs carrying its shardings; nothing is allocated.
+
+    Args:
+      model_config, num_pages, page_size, dtype, mesh: as allocate_pool.
+    """
+    num_groups = num_scale_groups(model_config.num_kv_heads, mesh)
+    shapes = jax.eval_shape(lambda: models.allocate_kv_caches(model_config, num_pages, page_size, dtype, num_groups))
+
+    def with_sharding(shape, sharding):
+        return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)
+
+    return [
+        jax.tree.map(with_sharding, layer, pool_sharding(layer, model_config.num_kv_heads, mesh)) for layer in shapes
+    ]

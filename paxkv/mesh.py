@@ -6,7 +6,7 @@ import math
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from pallas_kernels import QuantizedKVPages
+from pallas_kernels import pool_partition_spec
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ def make_mesh(mesh_shape: str | dict | None = None, devices=None) -> Mesh:
 
     Without a shape every device goes on "model" (tensor parallelism), except in a one-process CPU run,
     where forced host devices share the same cores and sharding gains nothing: there it is one device.
+    A shape smaller than the machine takes the first devices (in one process) and logs it.
 
     Args:
       mesh_shape: "data=D,model=M", a dict, or None for the default.
@@ -59,11 +60,22 @@ def make_mesh(mesh_shape: str | dict | None = None, devices=None) -> Mesh:
         sizes = {"data": 1, "model": 1 if on_cpu else len(devices)}
         devices = devices[: sizes["model"]]
     needed = math.prod(sizes.values())
-    if needed != len(devices):
+    name = f"data={sizes['data']},model={sizes['model']}"
+    if needed > len(devices):
         raise ValueError(
-            f"mesh data={sizes['data']},model={sizes['model']} needs {needed} devices, but {len(devices)} are "
-            f"available ({devices[0].platform}); choose sizes whose product is {len(devices)}"
+            f"mesh {name} needs {needed} devices, but only {len(devices)} are available ({devices[0].platform}); "
+            f"choose sizes whose product is at most {len(devices)}"
         )
+    if needed < len(devices):
+        if jax.process_count() > 1:
+            raise ValueError(
+                f"mesh {name} covers {needed} of the {len(devices)} devices of this {jax.process_count()}-process "
+                "run; across hosts every process's devices must be in the mesh, so choose sizes whose product is "
+                f"{len(devices)} (or start fewer processes)"
+            )
+        # As vLLM's tensor_parallel_size=2 on an 8-GPU host: the first devices, the rest left idle.
+        logger.info("mesh %s uses the first %d of %d %s devices", name, needed, len(devices), devices[0].platform)
+        devices = devices[:needed]
     # jax.make_mesh orders the devices by the hardware's topology (TPU ICI rings), so "model" neighbours
     # are physical neighbours; on CPU and GPU it keeps their order.
     shape = (sizes["data"], sizes["model"])
@@ -80,17 +92,21 @@ def pool_sharding(pool, num_kv_heads: int, mesh: Mesh):
     on "model" when they divide it, else replicated.
 
     Args:
-      pool: one layer's page pool ([num_pages, page_size, 2K, D] array or QuantizedKVPages).
+      pool: one layer's page pool ([num_pages, page_size, 2K * D] array or QuantizedKVPages).
       num_kv_heads: K.
       mesh: the device mesh.
     """
     heads = "model" if kv_heads_sharded(num_kv_heads, mesh) else None
     page_axis = "data" if mesh.shape["data"] > 1 else None
-    pages = NamedSharding(mesh, PartitionSpec(page_axis, None, heads, None))
-    if isinstance(pool, QuantizedKVPages):
-        scales = NamedSharding(mesh, PartitionSpec(page_axis, heads, None))  # [num_pages, 2K, page_size]
-        return QuantizedKVPages(pages=pages, scales=scales, value_dtype=pool.value_dtype)
-    return pages
+    specs = pool_partition_spec(pool, page_axis=page_axis, head_axis=heads)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def num_scale_groups(num_kv_heads: int, mesh: Mesh | None) -> int:
+    """G, the head groups an 8-bit pool's scales are laid out in: one per model shard when the KV heads split."""
+    if mesh is None or not kv_heads_sharded(num_kv_heads, mesh):
+        return 1
+    return mesh.shape["model"]
 
 
 def describe_kv_layout(model_name: str, num_kv_heads: int, num_heads: int, mesh: Mesh) -> str:

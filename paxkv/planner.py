@@ -5,7 +5,7 @@ import os
 
 import models
 from models.config import ModelConfig, load_hf_config
-from paxkv.kv_cache import QUANTIZED_NAMES, kv_bytes_per_token
+from paxkv.kv_cache import QUANTIZED_NAMES, kv_bytes_per_page, kv_bytes_per_token
 
 # The KV dtypes the planner compares, by config name, with their storage dtypes.
 PLAN_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "fp8_e4m3": QUANTIZED_NAMES["fp8_e4m3"], "int8": "int8"}
@@ -49,8 +49,8 @@ class DtypePlan:
     """Capacity of one KV dtype under the budget."""
 
     kv_cache_dtype: str
-    bytes_per_token: int
-    bytes_per_sequence: int  # at max_model_len
+    bytes_per_token: float  # in full pages; an int unless the scale rows' padding does not divide page_size
+    bytes_per_sequence: int  # at max_model_len, in whole pages
     num_pages: int  # usable pages in the budget (the null page excluded)
     token_capacity: int
     max_sequences_at_full_context: int
@@ -70,13 +70,14 @@ def plan(
     rows = []
     pages_per_sequence = -(-max_model_len // page_size)
     for name, dtype in PLAN_DTYPES.items():
-        per_token = kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
-        num_pages = max(kv_cache_memory_bytes // (per_token * page_size) - 1, 0)
+        shape = (config.num_layers, config.num_kv_heads, config.head_dim, dtype, page_size)
+        per_page = kv_bytes_per_page(*shape)
+        num_pages = max(kv_cache_memory_bytes // per_page - 1, 0)
         rows.append(
             DtypePlan(
                 kv_cache_dtype=name,
-                bytes_per_token=per_token,
-                bytes_per_sequence=per_token * max_model_len,
+                bytes_per_token=kv_bytes_per_token(*shape),
+                bytes_per_sequence=per_page * pages_per_sequence,
                 num_pages=num_pages,
                 token_capacity=num_pages * page_size,
                 max_sequences_at_full_context=num_pages // pages_per_sequence,
@@ -106,7 +107,8 @@ def format_plan(
         f"heads of {config.head_dim}, {num_params / 1e9:.2f} B parameters = {_gib(weights_bf16)} in bf16, "
         f"{_gib(2 * weights_bf16)} in f32",
         f"KV per token = 2 x {config.num_kv_heads} KV heads x {config.head_dim} x dtype bytes x {config.num_layers} "
-        "layers (+ a 2-byte scale per token, head and K/V for fp8 and int8)",
+        "layers (+ for fp8 and int8 a 4-byte word of K and V scales per token and head, its row per page padded "
+        "to 128 words)",
         f"budget {_gib(kv_cache_memory_bytes)}, max_model_len {max_model_len}, page_size {page_size}:",
         "",
         f"{'kv dtype':<10} {'bytes/token':>12} {'KV/sequence':>14} {'pages':>10} {'tokens':>12} "
@@ -115,7 +117,7 @@ def format_plan(
     for row in rows:
         marker = "  <- --kv_cache_dtype" if row.kv_cache_dtype == chosen else ""
         lines.append(
-            f"{row.kv_cache_dtype:<10} {row.bytes_per_token:>12,} {_gib(row.bytes_per_sequence):>14} "
+            f"{row.kv_cache_dtype:<10} {row.bytes_per_token:>12,.0f} {_gib(row.bytes_per_sequence):>14} "
             f"{row.num_pages:>10,} {row.token_capacity:>12,} {row.max_sequences_at_full_context:>17,}{marker}"
         )
     bf16 = next(row for row in rows if row.kv_cache_dtype == "bfloat16")

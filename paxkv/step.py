@@ -52,7 +52,7 @@ def static_graph(graphdef: nnx.GraphDef) -> StaticGraph:
 def engine_step(
     graph: StaticGraph,
     state: nnx.State,
-    kv_caches: list[jax.Array],  # num_layers x [num_pages, page_size, 2K, H]
+    kv_caches: list[jax.Array],  # num_layers x [num_pages, page_size, 2K * H]
     inputs: StepInputs,
     sampling: SamplingArrays,  # S rows
     token_counts: jax.Array | None,  # i32[S, vocab] generated-token counts, only when a row has penalties
@@ -82,7 +82,7 @@ def engine_step(
 def data_parallel_step(
     graph: StaticGraph,
     state: nnx.State,
-    kv_caches: list[jax.Array],  # num_layers x [D * N, page_size, 2K, H], pages split on "data"
+    kv_caches: list[jax.Array],  # num_layers x [D * N, page_size, 2K * H], pages split on "data"
     inputs: StepInputs,  # every leaf [D, ...]: replica r's padded batch, over its local pages
     sampling: SamplingArrays,  # every leaf [D, S]
     token_counts: jax.Array | None,  # i32[D, S, vocab]

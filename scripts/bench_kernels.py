@@ -32,12 +32,12 @@ import numpy as np  # noqa: E402
 from pallas_kernels import (  # noqa: E402
     AttentionMetadata,
     QuantizedKVPages,
-    is_quantized,
+    page_bytes,
     paged_attention_gpu,
     quantize_per_row,
     ragged_paged_attention_reference,
     ragged_paged_attention_tpu,
-    write_kv_reference,
+    write_kv,
 )
 
 PRESETS = {
@@ -73,9 +73,9 @@ def make_pool(key, num_pages, page_size, num_kv_heads, head_dim, kv_dtype):
     """A random pool on the device: bf16 pages, or 8-bit pages quantized per token and head."""
     values = jax.random.normal(key, (num_pages, page_size, 2 * num_kv_heads, head_dim), jnp.bfloat16)
     if kv_dtype == "bfloat16":
-        return values
+        return values.reshape(num_pages, page_size, -1)
     pages, scales = jax.jit(quantize_per_row, static_argnums=1)(values, jnp.dtype(kv_dtype))
-    return QuantizedKVPages.from_values(pages, scales.transpose(0, 2, 1))
+    return QuantizedKVPages.from_values(pages, scales)
 
 
 def make_batch(kv_lens, q_lens, page_size, num_pages, seed=0) -> AttentionMetadata:
@@ -110,10 +110,10 @@ def attention_flops(kv_lens, q_lens, num_q_heads, head_dim) -> float:
     return 4.0 * num_q_heads * head_dim * visible
 
 
-def kv_bytes_read(kv_lens, num_kv_heads, head_dim, kv_dtype) -> float:
-    """Bytes of K, V (and 8-bit scales) a decode step must read: every cached token once."""
-    per_token = 2 * num_kv_heads * (head_dim * jnp.dtype(kv_dtype).itemsize + (2 if is_quantized(kv_dtype) else 0))
-    return float(sum(kv_lens) * per_token)
+def kv_bytes_read(kv_lens, num_kv_heads, head_dim, kv_dtype, page_size) -> float:
+    """Bytes of K, V (and 8-bit scale rows) a decode step must read: every page it holds tokens in, once."""
+    pages = sum(-(-n // page_size) for n in kv_lens)
+    return float(pages * page_bytes(page_size, num_kv_heads, head_dim, kv_dtype))
 
 
 def pallas_impls(backend: str, sm_scale: float):
@@ -141,7 +141,7 @@ def run_workload(name, kv_lens, q_lens, args, pool, kv_dtype, impls, copy_bw) ->
     q = jax.random.normal(jax.random.key(1), (padded_tokens(q_lens), args.num_q_heads, args.head_dim), jnp.bfloat16)
     sm_scale = args.head_dim**-0.5
     flops = attention_flops(kv_lens, q_lens, args.num_q_heads, args.head_dim)
-    kv_bytes = kv_bytes_read(kv_lens, args.num_kv_heads, args.head_dim, kv_dtype)
+    kv_bytes = kv_bytes_read(kv_lens, args.num_kv_heads, args.head_dim, kv_dtype, args.page_size)
     reference = jax.jit(lambda q, kv, m: ragged_paged_attention_reference(q, kv, m, sm_scale=sm_scale))
     candidates = {"xla": [("per_block", reference)]} if "xla" in impls else {}
     if "pallas" in impls:
@@ -192,7 +192,7 @@ def time_kv_write(pool, num_tokens, args, kv_dtype) -> tuple[dict, object]:
     rng = np.random.default_rng(2)
     slots = jnp.asarray(rng.choice(np.arange(args.page_size, num_pages * args.page_size), num_tokens, replace=False))
     k = jax.random.normal(jax.random.key(3), (num_tokens, args.num_kv_heads, args.head_dim), jnp.bfloat16)
-    write = jax.jit(write_kv_reference, donate_argnums=0)
+    write = jax.jit(write_kv, donate_argnums=0)
     state = {"pool": pool}
 
     def step():

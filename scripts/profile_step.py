@@ -56,7 +56,7 @@ def _device_split(engine, loaded) -> dict:
     from flax import nnx
 
     import models.layers
-    from pallas_kernels.reference import write_kv_reference
+    from pallas_kernels import write_kv
     from paxkv.step import engine_step, static_graph
 
     # The batch is only read here (never run through Engine.step), so the scheduler needs no update.
@@ -77,7 +77,7 @@ def _device_split(engine, loaded) -> dict:
     original = models.layers.paged_attention
 
     def write_only(q, k, v, kv_pages, metadata, **kwargs):
-        return q, write_kv_reference(kv_pages, k, v, metadata.slots)
+        return q, write_kv(kv_pages, k, v, metadata.slots)
 
     models.layers.paged_attention = write_only
     try:

@@ -31,6 +31,11 @@ CASES = [
     ("float8_e5m2", "mixed", 16, 64, 2),
     ("int8", "decode", 16, 128, 4),
     ("int8", "mixed", 32, 64, 2),
+    # Pages of 128: the GPU kernel reads prefill blocks (64 tokens) and, at head_dim 256, decode blocks as
+    # slices of a page.
+    ("float32", "mixed", 128, 64, 4),
+    ("int8", "prefill", 128, 128, 2),
+    ("bfloat16", "decode", 128, 256, 2),
 ]
 
 
@@ -124,10 +129,10 @@ def make_case(
         # Unused slots: NaN values where the format has one (int8 has none: its extreme), NaN scales.
         filler = jnp.asarray(np.nan if kv_dtype != "int8" else -128, quantized.dtype)
         pages = jnp.where(jnp.asarray(used)[..., None, None], quantized, filler)
-        scales = jnp.where(jnp.asarray(used)[..., None], scales, jnp.nan).transpose(0, 2, 1)
+        scales = jnp.where(jnp.asarray(used)[..., None], scales, jnp.nan)
         kv_pages = QuantizedKVPages.from_values(pages, scales)
     else:
-        kv_pages = jnp.asarray(values, jnp.dtype(kv_dtype))
+        kv_pages = jnp.asarray(values.reshape(num_pages, page_size, -1), jnp.dtype(kv_dtype))
     return AttentionCase(
         q=jnp.asarray(q, q_dtype),
         kv_pages=kv_pages,

@@ -46,13 +46,24 @@ def test_kernel_matches_reference(kernel, kv_dtype, kind, page_size, head_dim, g
     _check_against_reference(KERNELS[kernel](case), case, kv_dtype)
 
 
-@pytest.mark.parametrize("kernel", sorted(KERNELS))
-@pytest.mark.parametrize("queries_per_block,pages_per_block", [(1, 1), (2, 4), (8, 2), (32, 1)])
+# (kernel, queries_per_block, pages_per_block). The TPU kernel's tiles are whole sublane groups: with 2 query heads
+# per KV head and f32 queries, at least 4 tokens (8 rows); the GPU kernel pads small tiles with dummy heads.
+BLOCK_SIZES = [("gpu", 1, 1), ("gpu", 2, 4), ("gpu", 8, 2), ("gpu", 32, 1)]
+BLOCK_SIZES += [("tpu", 4, 1), ("tpu", 4, 4), ("tpu", 8, 2), ("tpu", 32, 1)]
+
+
+@pytest.mark.parametrize("kernel,queries_per_block,pages_per_block", BLOCK_SIZES)
 def test_block_sizes_do_not_change_the_result(kernel, queries_per_block, pages_per_block):
     """Query blocks spanning many sequences, a sequence spanning many blocks, KV blocks of 1 to 4 pages."""
     case = standard_case(3, "float32", "mixed", 8, 64, 2)
     out = KERNELS[kernel](case, queries_per_block=queries_per_block, pages_per_block=pages_per_block)
     _check_against_reference(out, case, "float32")
+
+
+def test_tpu_kernel_refuses_tiles_of_partial_sublanes():
+    case = standard_case(3, "float32", "mixed", 8, 64, 2)
+    with pytest.raises(ValueError, match="2 rows, not a multiple of 8"):
+        KERNELS["tpu"](case, queries_per_block=1)
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
@@ -156,7 +167,7 @@ def test_dispatch_errors_name_the_fix():
 
 def test_gpu_kernel_refuses_non_power_of_two_pages():
     case = standard_case(10, "float32", "decode", 8, 64, 1)
-    odd = jnp.zeros((4, 12, 4, 64), jnp.float32)
+    odd = jnp.zeros((4, 12, 4 * 64), jnp.float32)
     with pytest.raises(ValueError, match="page_size to be a power of two"):
         paged_attention_gpu(case.q, odd, case.metadata, sm_scale=1.0, interpret=True)
 

@@ -78,7 +78,7 @@ def test_data_2_model_2_gives_the_one_device_tokens_with_pages_split_on_data(fou
         assert spec_of(array) == spec_of(EXPECTED_SPECS.get(path[-1], P())), (path, array.sharding.spec)
     engine, outputs = _run(loaded, prompts)
     assert outputs == expected
-    for layer in engine.kv_caches:  # [pages, page_size, 2K, D]: pages on data, KV heads on model
+    for layer in engine.kv_caches:  # [pages, page_size, 2K * D]: pages on data, KV heads on model
         assert spec_of(layer) == ("data", None, "model")
         shard = layer.addressable_shards[0].data
         assert shard.shape[0] * 2 == layer.shape[0] == 64 and shard.shape[2] * 2 == layer.shape[2]

@@ -44,7 +44,8 @@ def test_llama_70b_at_128k_matches_the_seed():
     assert bf16.bytes_per_sequence / (2 * num_params) == pytest.approx(0.30, abs=0.01)  # about 30% of the weights
     assert bf16.max_sequences_at_full_context == 1  # an 80 GiB budget holds one full-context sequence
     assert rows["float32"].bytes_per_sequence == 80 * GIB
-    # FP8 and int8: a byte per value plus a 2-byte scale per token, KV head and K/V.
+    # FP8 and int8: a byte per value plus, per page, a row of one 4-byte word (K and V scales) per KV head and
+    # token, 8 x 16 = 128 words (no lane padding): 32 bytes per token.
     assert rows["fp8_e4m3"].bytes_per_token == rows["int8"].bytes_per_token == 2 * 8 * (128 + 2) * 80
 
 

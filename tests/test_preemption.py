@@ -29,11 +29,11 @@ def _pool(dtype: str, num_pages=12):
     shape = (num_pages, PAGE, 4, 16)
     if dtype.startswith("float8") or dtype == "int8":
         pages = (30 * jax.random.normal(key, shape)).astype(jnp.dtype(dtype))
-        scales = jax.random.uniform(key, (num_pages, 4, PAGE))
+        scales = jax.random.uniform(key, (num_pages, PAGE, 4))
         layer = QuantizedKVPages.from_values(pages, scales)
     else:
-        layer = jax.random.normal(key, shape).astype(jnp.dtype(dtype))
-    return [layer, jax.tree.map(lambda x: x + 1 if x.dtype != jnp.uint8 else x ^ 1, layer)]
+        layer = jax.random.normal(key, shape).astype(jnp.dtype(dtype)).reshape(num_pages, PAGE, -1)
+    return [layer, jax.tree.map(lambda x: x + 1 if not jnp.issubdtype(x.dtype, jnp.integer) else x ^ 1, layer)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn", "int8"])
@@ -209,8 +209,9 @@ def test_8_bit_pool_runs_on_the_xla_and_interpreted_paths(tmp_path_factory, make
 
     engine, xla = run("xla", kv_cache_dtype)
     assert isinstance(engine.kv_caches[0], QuantizedKVPages)
-    # 2 KV heads x (16 one-byte values + a 2-byte bf16 scale) x K and V x 2 layers.
-    assert engine.kv_bytes_per_token == 2 * 2 * (16 + 2) * 2
+    # 2 layers x (2 KV heads x K and V x 16 one-byte values + a page's row of scale words, 2 heads x 8
+    # tokens padded to 128 four-byte lanes, over its 8 tokens).
+    assert engine.kv_bytes_per_token == 2 * (2 * 2 * 16 + 128 * 4 // 8)
     _, interpreted = run("interpret", kv_cache_dtype)
     assert {k: o.token_ids for k, o in xla.items()} == {k: o.token_ids for k, o in interpreted.items()}
     # Against an f32 pool: the first token (the prompt's own logits, the same inputs) and its log-probability

@@ -6,10 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import AttentionMetadata, paged_attention, ragged_paged_attention_reference, write_kv_reference
+from pallas_kernels import AttentionMetadata, paged_attention, ragged_paged_attention_reference, write_kv
 
 PADDED_TOKENS = 128
 PADDED_SEQS = 8
+
+
+def _pool(pages: np.ndarray, dtype=jnp.float32) -> jnp.ndarray:
+    """A pool array from pages written per head slot ([num_pages, P, 2K, D] -> [num_pages, P, 2K * D])."""
+    return jnp.asarray(pages.reshape(*pages.shape[:2], -1), dtype)
 
 
 def test_hand_worked_decode():
@@ -31,10 +36,10 @@ def test_hand_worked_decode():
     )
     q = jnp.array([[[1.0, 0.0]]])
     new = jnp.array([[[1.0, 1.0]]])
-    out, new_pages = paged_attention(q, new, new, jnp.asarray(pages), metadata, sm_scale=1.0)
+    out, new_pages = paged_attention(q, new, new, _pool(pages), metadata, sm_scale=1.0)
     e = math.e
     np.testing.assert_allclose(np.asarray(out)[0, 0], [2 * e / (2 * e + 1), (e + 1) / (2 * e + 1)], rtol=1e-6)
-    np.testing.assert_array_equal(np.asarray(new_pages)[1, 0], [[1, 1], [1, 1]])
+    np.testing.assert_array_equal(np.asarray(new_pages)[1, 0], [1, 1, 1, 1])  # k2 | v2
 
 
 def _dense_attention(q, k, v, query_positions, sm_scale, sliding_window=None):
@@ -130,7 +135,7 @@ def test_matches_dense_causal_attention(group, page_size, kv_dtype, kv_read):
         num_seqs=jnp.asarray([len(kv_lens)], jnp.int32),
     )
     sm_scale = head_dim**-0.5
-    new_pages = write_kv_reference(jnp.asarray(pages, kv_dtype), jnp.asarray(k_new), jnp.asarray(v_new), metadata.slots)
+    new_pages = write_kv(_pool(pages, kv_dtype), jnp.asarray(k_new), jnp.asarray(v_new), metadata.slots)
     out = np.asarray(
         ragged_paged_attention_reference(jnp.asarray(q), new_pages, metadata, sm_scale=sm_scale, kv_read=kv_read)
     )
@@ -167,7 +172,7 @@ def test_sliding_window_matches_dense(kv_read):
         kv_lens=jnp.asarray([kv_len], jnp.int32),
         num_seqs=jnp.asarray([1], jnp.int32),
     )
-    pages = write_kv_reference(jnp.asarray(pages), jnp.asarray(dense_k[0]), jnp.asarray(dense_v[0]), metadata.slots)
+    pages = write_kv(_pool(pages), jnp.asarray(dense_k[0]), jnp.asarray(dense_v[0]), metadata.slots)
     out = ragged_paged_attention_reference(
         jnp.asarray(q_all[0]), pages, metadata, sm_scale=0.3, sliding_window=window, kv_read=kv_read
     )
@@ -185,7 +190,7 @@ def test_chunked_prefill_equals_one_prefill(chunk_sizes, kv_read):
     k = rng.normal(size=(length, num_kv_heads, head_dim)).astype(np.float32)
     v = rng.normal(size=(length, num_kv_heads, head_dim)).astype(np.float32)
     slots = table[np.arange(length) // page_size] * page_size + np.arange(length) % page_size
-    empty = jnp.zeros((8, page_size, 2 * num_kv_heads, head_dim), jnp.float32)
+    empty = jnp.zeros((8, page_size, 2 * num_kv_heads * head_dim), jnp.float32)
 
     def run(pages, start, stop):
         metadata = AttentionMetadata(
@@ -195,7 +200,7 @@ def test_chunked_prefill_equals_one_prefill(chunk_sizes, kv_read):
             kv_lens=jnp.asarray([stop], jnp.int32),
             num_seqs=jnp.asarray([1], jnp.int32),
         )
-        pages = write_kv_reference(pages, jnp.asarray(k[start:stop]), jnp.asarray(v[start:stop]), metadata.slots)
+        pages = write_kv(pages, jnp.asarray(k[start:stop]), jnp.asarray(v[start:stop]), metadata.slots)
         out = ragged_paged_attention_reference(
             jnp.asarray(q[start:stop]), pages, metadata, sm_scale=0.25, kv_read=kv_read
         )
@@ -212,10 +217,10 @@ def test_chunked_prefill_equals_one_prefill(chunk_sizes, kv_read):
 
 
 def test_write_kv_interleaves_k_and_v():
-    pages = jnp.zeros((3, 4, 4, 2), jnp.float32)  # 2 kv heads
+    pages = jnp.zeros((3, 4, 8), jnp.float32)  # 2 kv heads of head_dim 2: rows k0 | v0 | k1 | v1
     k = jnp.arange(8, dtype=jnp.float32).reshape(2, 2, 2)
     v = -k
-    new = np.asarray(write_kv_reference(pages, k, v, jnp.array([5, 9], jnp.int32)))
+    new = np.asarray(write_kv(pages, k, v, jnp.array([5, 9], jnp.int32))).reshape(3, 4, 4, 2)
     np.testing.assert_array_equal(new[1, 1, 0::2], np.asarray(k[0]))  # slot 5 = page 1, offset 1
     np.testing.assert_array_equal(new[1, 1, 1::2], np.asarray(v[0]))
     np.testing.assert_array_equal(new[2, 1, 0::2], np.asarray(k[1]))  # slot 9 = page 2, offset 1
@@ -231,7 +236,7 @@ def test_gqa_rejects_mismatched_heads():
         num_seqs=jnp.array([1], jnp.int32),
     )
     with pytest.raises(ValueError, match="not a multiple"):
-        ragged_paged_attention_reference(jnp.zeros((1, 3, 4)), jnp.zeros((2, 4, 4, 4)), metadata, sm_scale=1.0)
+        ragged_paged_attention_reference(jnp.zeros((1, 3, 4)), jnp.zeros((2, 4, 16)), metadata, sm_scale=1.0)
 
 
 def _padded_metadata(token_slots, block_tables, q_lens, kv_lens) -> AttentionMetadata:
@@ -288,7 +293,7 @@ def test_batches_over_several_query_blocks(layout, sliding_window, kv_read):
     new = [np.zeros((padded - num_tokens, num_kv_heads, head_dim), np.float32)]
     k_new = np.concatenate([k[-n:] for k, n in zip(dense_k, q_lens, strict=True)] + new)
     v_new = np.concatenate([v[-n:] for v, n in zip(dense_v, q_lens, strict=True)] + new)
-    pages = write_kv_reference(jnp.asarray(pages), jnp.asarray(k_new), jnp.asarray(v_new), metadata.slots)
+    pages = write_kv(_pool(pages), jnp.asarray(k_new), jnp.asarray(v_new), metadata.slots)
     q = np.zeros((padded, num_kv_heads * group, head_dim), np.float32)
     q[:num_tokens] = np.concatenate(q_all)
     out = np.asarray(
@@ -335,7 +340,7 @@ def test_nan_in_unused_slots_never_reaches_live_tokens(kv_read):
     metadata = _padded_metadata(np.zeros(padded), block_tables, q_lens, kv_lens)
     cu = np.asarray(metadata.cu_q_lens)
     out = np.asarray(
-        ragged_paged_attention_reference(jnp.asarray(q), jnp.asarray(pages), metadata, sm_scale=0.25, kv_read=kv_read)
+        ragged_paged_attention_reference(jnp.asarray(q), _pool(pages), metadata, sm_scale=0.25, kv_read=kv_read)
     )
     assert np.isfinite(out).all()
     for s, (kv_len, q_len) in enumerate(zip(kv_lens, q_lens, strict=True)):

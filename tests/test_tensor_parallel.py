@@ -73,8 +73,8 @@ def test_greedy_tokens_match_one_device_for_every_model_size(eight_kv_heads):
         assert tokens == expected, model_size
         if model_size == 1:
             continue  # a one-device mesh runs the plain single-device engine
-        for layer in engine.kv_caches:  # KV heads (axis 2 of [pages, page_size, 2K, D]) split on model
-            assert spec_of(layer) == spec_of(P(None, None, "model", None))
+        for layer in engine.kv_caches:  # KV heads (whole K/V pairs of the rows of [pages, page_size, 2K * D])
+            assert spec_of(layer) == spec_of(P(None, None, "model"))
             assert layer.addressable_shards[0].data.shape[2] * model_size == layer.shape[2]
 
 
@@ -86,8 +86,9 @@ def test_quantized_pool_shards_its_scales_with_its_heads(eight_kv_heads, kv_cach
     engine, tokens = _greedy(_on_mesh(eight_kv_heads, 4), prompts, kv_cache_dtype=kv_cache_dtype)
     assert tokens == expected
     layer = engine.kv_caches[0]
-    assert spec_of(layer.pages) == spec_of(P(None, None, "model", None))
-    assert spec_of(layer.scales) == spec_of(P(None, "model", None))  # [pages, 2K, page_size]
+    assert spec_of(layer.pages) == spec_of(P(None, None, "model"))
+    assert spec_of(layer.scales) == spec_of(P(None, "model", None))  # [pages, G, lanes]: a scale group per shard
+    assert layer.num_groups == 4 and layer.scales.addressable_shards[0].data.shape[1] == 1
 
 
 @pytest.mark.parametrize("attention_impl", ["interpret_gpu", "interpret_tpu"])
@@ -99,7 +100,7 @@ def test_pallas_kernels_run_per_shard_under_the_mesh(eight_kv_heads, attention_i
     assert tokens == expected
     # The kernel call itself sits inside a shard_map under the mesh; the XLA path is left to the partitioner.
     q, kv = jnp.zeros((4, 16, 16)), jnp.zeros((4, 8, 16))
-    pool = jnp.zeros((3, 8, 16, 16))
+    pool = jnp.zeros((3, 8, 16 * 16))
     metadata = AttentionMetadata(
         slots=jnp.arange(8, 12, dtype=jnp.int32),
         block_tables=jnp.asarray([[1, 2]], jnp.int32),
@@ -191,7 +192,7 @@ def test_llm_and_config_take_a_mesh_shape(eight_kv_heads):
 @pytest.mark.parametrize(
     "mesh_shape,message",
     [
-        ("data=1,model=3", r"needs 3 devices, but 8 are available"),
+        ("data=2,model=8", r"needs 16 devices, but only 8 are available"),
         ("data=1,pipeline=8", r"unknown axis 'pipeline'"),
         ("model:8", r"is not axis=size"),
         ("model=0", r"sizes are positive integers"),
@@ -200,6 +201,15 @@ def test_llm_and_config_take_a_mesh_shape(eight_kv_heads):
 def test_bad_meshes_name_the_problem(mesh_shape, message):
     with pytest.raises(ValueError, match=message):
         make_mesh(mesh_shape)
+
+
+def test_a_mesh_smaller_than_the_machine_takes_the_first_devices(caplog):
+    """As vLLM's tensor_parallel_size=2 on an 8-GPU host: 2 of the 8 devices, and the log says so."""
+    with caplog.at_level(logging.INFO, logger="paxkv.mesh"):
+        mesh = make_mesh("data=1,model=2")
+    assert list(mesh.devices.flat) == jax.devices()[:2]
+    assert "mesh data=1,model=2 uses the first 2 of 8 cpu devices" in caplog.text
+    assert make_mesh("model=3").devices.size == 3
 
 
 def test_bad_mesh_in_config():
