@@ -8,11 +8,13 @@ import jax
 import numpy as np
 
 import models
+from models.paged_forward import bucket
+from paxkv.aot import AbstractEngine, check_step_fits, compile_step, device_memory
 from paxkv.config import EngineConfig
 from paxkv.data_parallel import DataParallelBatch, DataParallelScheduler, PartitionedPages
 from paxkv.distributed import agree_across_processes, host_value
-from paxkv.kv_cache import allocate_pool, kv_bytes_per_token, kv_storage_dtype
-from paxkv.mesh import engine_mesh
+from paxkv.kv_cache import allocate_pool, kv_bytes_per_page, kv_bytes_per_token, kv_storage_dtype
+from paxkv.mesh import engine_mesh, num_scale_groups
 from paxkv.metrics import EngineMetrics
 from paxkv.outputs import RequestMetrics, RequestOutput
 from paxkv.page_allocator import PageAllocator
@@ -58,14 +60,14 @@ class Engine:
                 f"{model_config.max_position_embeddings}; lower max_model_len"
             )
         kv_dtype = kv_storage_dtype(config.kv_cache_dtype, jax.tree.leaves(loaded.state)[0].dtype)
-        bytes_per_token = kv_bytes_per_token(
-            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, kv_dtype
-        )
-        num_pages = config.num_pages or config.kv_cache_memory_bytes // (bytes_per_token * config.page_size)
+        self.mesh = engine_mesh(loaded, config.mesh_shape)
+        shape = (model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, kv_dtype, config.page_size)
+        num_groups = num_scale_groups(model_config.num_kv_heads, self.mesh)
+        bytes_per_page = kv_bytes_per_page(*shape, num_groups)
+        num_pages = config.num_pages or config.kv_cache_memory_bytes // bytes_per_page
         preemption_mode = config.preemption_mode
         if jax.process_count() > 1:
             num_pages, preemption_mode = agree_across_processes(num_pages, preemption_mode)
-        self.mesh = engine_mesh(loaded, config.mesh_shape)
         # Data parallelism splits the pool into equal partitions, one per replica, each with its null page.
         self.num_replicas = self.mesh.shape["data"] if self.mesh is not None else 1
         pages_per_replica = num_pages // self.num_replicas
@@ -85,12 +87,11 @@ class Engine:
         try:
             self.kv_caches = allocate_pool(model_config, num_pages, config.page_size, kv_dtype, self.mesh)
         except (RuntimeError, MemoryError) as e:  # XLA reports a failed allocation as a RuntimeError
-            gib = num_pages * config.page_size * bytes_per_token / 2**30
+            gib = num_pages * bytes_per_page / 2**30
             raise ValueError(
                 f"cannot allocate the KV page pool ({num_pages} pages, {gib:.2f} GiB): {str(e)[:200]}; "
                 "lower kv_cache_memory_bytes or num_pages"
             ) from None
-        bytes_per_page = bytes_per_token * config.page_size
         num_host_slots = config.swap_space_bytes // bytes_per_page if preemption_mode != "recompute" else 0
         if preemption_mode == "swap" and num_host_slots == 0:
             raise ValueError(
@@ -109,8 +110,8 @@ class Engine:
         # (T bucket, S bucket, penalties?, suppress?, logprobs?): each distinct one is one step program.
         self.step_shapes: set[tuple[int, int, bool, bool, bool]] = set()
         self.metrics = EngineMetrics(num_total_pages=self.allocator.num_total_pages, page_size=config.page_size)
-        self.kv_cache_bytes = num_pages * config.page_size * bytes_per_token
-        self.kv_bytes_per_token = bytes_per_token
+        self.kv_cache_bytes = num_pages * bytes_per_page
+        self.kv_bytes_per_token = kv_bytes_per_token(*shape, num_groups)
         self.kv_dtype = kv_dtype
         logger.info(
             "page pool: %d pages of %d tokens (page 0 of each of %d partitions reserved) = %d tokens of KV, %s, "
@@ -120,8 +121,38 @@ class Engine:
             self.num_replicas,
             self.allocator.num_total_pages * config.page_size,
             kv_dtype.name,
-            bytes_per_token,
+            self.kv_bytes_per_token,
             self.kv_cache_bytes / 2**20,
+        )
+        self._check_largest_step_fits()
+
+    def _check_largest_step_fits(self) -> None:
+        """Where the device reports a memory limit (TPU, GPU), compile the largest step now and refuse to start when
+        it cannot fit beside the weights and the pool, rather than fail at the first large batch."""
+        memory = device_memory(self.mesh)
+        if memory is None:
+            return  # CPU: no limit to check against
+        config, loaded = self.config, self.loaded
+        state = AbstractEngine(
+            loaded.graphdef,
+            loaded.state,
+            self.kv_caches,
+            config.page_size,
+            self.pages_per_seq,
+            loaded.config.vocab_size,
+            self.mesh,
+        )
+        num_tokens, num_seqs = bucket(config.max_num_batched_tokens), bucket(config.max_num_seqs)
+        program = compile_step(state, num_tokens, num_seqs, with_logprobs=True, vocab_arrays=True)
+        budgets = f"max_num_batched_tokens={config.max_num_batched_tokens}, max_num_seqs={config.max_num_seqs}"
+        check_step_fits(program, *memory, what=budgets)
+        logger.info(
+            "the largest step (T=%d, S=%d) needs %.2f GiB beside its arguments; %.2f GiB of %.2f GiB are free",
+            num_tokens,
+            num_seqs,
+            program.memory.beyond_arguments_bytes / 2**30,
+            (memory[0] - memory[1]) / 2**30,
+            memory[0] / 2**30,
         )
 
     def _build_scheduler(self, pages_per_replica: int) -> None:

@@ -1,0 +1,268 @@
+"""The engine's step compiled ahead of time from shapes alone: for TPUs and GPUs this machine lacks
+(scripts/aot_compile.py), and at start, to refuse a step that would not fit in device memory.
+
+Everything here feeds engine_step itself, the function Engine runs: the abstract model comes from
+models' own abstract_model and sharding table, the pool from kv_cache.abstract_pool, and the batch
+arrays from the same host builders Engine uses, so what compiles here is what an engine would run.
+"""
+
+import contextlib
+import dataclasses
+import logging
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import models
+from models.loaded_model import abstract_model
+from models.paged_forward import bucket
+from models.sharding import restore_target, state_shardings
+from paxkv.kv_cache import abstract_pool, kv_bytes_per_page, kv_storage_dtype
+from paxkv.mesh import num_scale_groups
+from paxkv.sampler import SamplingArrays
+from paxkv.scheduled_batch import ScheduledBatch
+from paxkv.step import data_parallel_step, engine_step, static_graph
+from paxkv.step_inputs import StepInputs
+
+logger = logging.getLogger(__name__)
+
+# Llama-3-8B's config.json, as its model card gives it: the shape compiled for the TPU checks.
+LLAMA_3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """What XLA's memory analysis says one step program needs per device."""
+
+    argument_bytes: int  # weights, pool and batch
+    output_bytes: int
+    alias_bytes: int  # outputs that reuse a donated argument's buffer (the pool)
+    temp_bytes: int  # activations and scratch
+    code_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Everything the program holds at once."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
+
+    @property
+    def beyond_arguments_bytes(self) -> int:
+        """What the step needs on top of its (already allocated) arguments."""
+        return self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
+
+    @classmethod
+    def of(cls, compiled: jax.stages.Compiled) -> "StepMemory":
+        """The memory analysis of a compiled program."""
+        stats = compiled.memory_analysis()
+        return cls(
+            argument_bytes=int(stats.argument_size_in_bytes),
+            output_bytes=int(stats.output_size_in_bytes),
+            alias_bytes=int(stats.alias_size_in_bytes),
+            temp_bytes=int(stats.temp_size_in_bytes),
+            code_bytes=int(getattr(stats, "generated_code_size_in_bytes", 0)),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepProgram:
+    """One compiled step program (a T bucket and an S bucket) and what it costs."""
+
+    num_tokens: int  # T
+    num_seqs: int  # S
+    compile_seconds: float
+    memory: StepMemory
+    flops: float
+    bytes_accessed: float
+
+
+@dataclasses.dataclass(frozen=True)
+class AbstractEngine:
+    """An engine's device state as ShapeDtypeStructs: the split model, the pool, and the pool's geometry."""
+
+    graphdef: nnx.GraphDef
+    state: nnx.State
+    kv_caches: list
+    page_size: int
+    pages_per_seq: int
+    vocab_size: int
+    mesh: Mesh | None  # None: one device, no mesh (as Engine runs it)
+
+    @property
+    def num_replicas(self) -> int:
+        """Data-parallel replicas: the step then runs data_parallel_step over batches with a leading [D] axis."""
+        return self.mesh.shape["data"] if self.mesh is not None else 1
+
+
+def abstract_engine(
+    config: models.ModelConfig,
+    mesh: Mesh,
+    *,
+    num_pages: int,
+    page_size: int,
+    max_model_len: int,
+    dtype: str = "bfloat16",
+    compute_dtype: str = "bfloat16",
+    kv_cache_dtype: str = "auto",
+    attention_impl: str = "pallas_tpu",
+) -> AbstractEngine:
+    """The weights, their shardings and the page pool of an engine on `mesh`, from the config alone.
+
+    Args:
+      config: the model.
+      mesh: the ("data", "model") mesh (of a TPU topology's devices for deviceless compiles).
+      num_pages, page_size: the pool; max_model_len sets the block-table width.
+      dtype, compute_dtype: parameter and activation dtypes (float32 or bfloat16).
+      kv_cache_dtype: as EngineConfig.kv_cache_dtype.
+      attention_impl: a resolved implementation name (the target's kernel; resolution reads the backend,
+        which here is not the target's).
+    """
+    model_kwargs = dict(
+        param_dtype=models.loading.DTYPES[dtype],
+        compute_dtype=models.loading.DTYPES[compute_dtype],
+        attention_impl=attention_impl,
+    )
+    graphdef, state = abstract_model(config, model_kwargs)
+    nnx.replace_by_pure_dict(state, restore_target(state, state_shardings(state, mesh)))
+    kv_dtype = kv_storage_dtype(kv_cache_dtype, models.loading.DTYPES[dtype])
+    kv_caches = abstract_pool(config, num_pages, page_size, kv_dtype, mesh)
+    return AbstractEngine(
+        graphdef, state, kv_caches, page_size, -(-max_model_len // page_size), config.vocab_size, mesh
+    )
+
+
+def pages_for_memory(
+    config: models.ModelConfig, memory_bytes: int, page_size: int, kv_cache_dtype: str, dtype: str, mesh: Mesh
+) -> int:
+    """Pages a KV budget of `memory_bytes` (the whole pool, over all devices' shards) holds."""
+    kv_dtype = kv_storage_dtype(kv_cache_dtype, models.loading.DTYPES[dtype])
+    num_groups = num_scale_groups(config.num_kv_heads, mesh)
+    per_page = kv_bytes_per_page(
+        config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype, page_size, num_groups
+    )
+    return max(2, memory_bytes // per_page)
+
+
+def abstract_step_arguments(
+    engine: AbstractEngine, num_tokens: int, num_seqs: int, *, with_logprobs: bool = False, vocab_arrays: bool = False
+) -> tuple:
+    """engine_step's arguments after the graph, state and pool for a (T, S) bucket, as replicated ShapeDtypeStructs.
+
+    The arrays come from the builders Engine uses (StepInputs.from_batch, SamplingArrays.from_params) on an
+    empty batch padded to the bucket, so their shapes and dtypes are the engine's.
+
+    Args:
+      engine: the abstract engine.
+      num_tokens, num_seqs: the T and S buckets.
+      with_logprobs: compile the logprobs variant.
+      vocab_arrays: include the per-row vocabulary arrays (penalties and min_tokens), the largest variant.
+    """
+    empty = ScheduledBatch(sequences=[], num_batched_tokens=0, preempted_request_ids=[])
+    inputs = StepInputs.from_batch(
+        empty,
+        max_num_batched_tokens=num_tokens,
+        max_num_seqs=num_seqs,
+        pages_per_seq=engine.pages_per_seq,
+        padded_sizes=(num_tokens, num_seqs),
+    )
+    sampling = SamplingArrays.from_params([], positions=[], batch_size=num_seqs)
+    vocab = [None, None, None]
+    if vocab_arrays:
+        vocab = [
+            np.zeros((num_seqs, engine.vocab_size), np.int32),
+            np.zeros((num_seqs, engine.vocab_size), bool),
+            np.zeros((num_seqs, engine.vocab_size), bool),
+        ]
+    replicas = engine.num_replicas
+    spec = PartitionSpec("data") if replicas > 1 else PartitionSpec()
+    sharding = NamedSharding(engine.mesh, spec) if engine.mesh is not None else None
+
+    def abstract(leaf):
+        shape = np.shape(leaf) if replicas == 1 else (replicas, *np.shape(leaf))  # data_parallel_step's [D, ...]
+        return jax.ShapeDtypeStruct(shape, np.asarray(leaf).dtype, sharding=sharding)
+
+    arrays = jax.tree.map(abstract, (inputs, sampling, *vocab))
+    return (*arrays, with_logprobs)
+
+
+def compile_step(engine: AbstractEngine, num_tokens: int, num_seqs: int, **variant) -> StepProgram:
+    """Compile engine_step for one (T, S) bucket under the engine's mesh; raises what the compiler raises.
+
+    Args:
+      engine: the abstract (or a real engine's) state.
+      num_tokens, num_seqs: the T and S buckets.
+      variant: with_logprobs, vocab_arrays (see abstract_step_arguments).
+    """
+    arguments = abstract_step_arguments(engine, num_tokens, num_seqs, **variant)
+    step = data_parallel_step if engine.num_replicas > 1 else engine_step
+    start = time.perf_counter()
+    with jax.set_mesh(engine.mesh) if engine.mesh is not None else contextlib.nullcontext():
+        traced = step.trace(static_graph(engine.graphdef), engine.state, engine.kv_caches, *arguments)
+        compiled = traced.lower().compile()
+    seconds = time.perf_counter() - start
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost or {}
+    return StepProgram(
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        compile_seconds=seconds,
+        memory=StepMemory.of(compiled),
+        flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+    )
+
+
+def step_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
+    """The (T, S) bucket pairs a step can take: T a power of two up to the token budget, S up to the row budget and
+    never above T (a row holds at least one token)."""
+    token_buckets = [1 << i for i in range(bucket(max_num_batched_tokens).bit_length())]
+    seq_buckets = [1 << i for i in range(bucket(max_num_seqs).bit_length())]
+    return [(t, s) for t in token_buckets for s in seq_buckets if s <= t]
+
+
+def device_memory(mesh: Mesh | None) -> tuple[int, int] | None:
+    """(memory limit, bytes in use) of the first device of `mesh` (or the default device); None where the backend
+    reports no limit (CPU)."""
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # a backend without memory statistics
+        return None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+
+
+def check_step_fits(program: StepProgram, memory_limit_bytes: int, in_use_bytes: int, *, what: str) -> None:
+    """Raise a ValueError naming the fix when a step needs more memory than the device has left.
+
+    Args:
+      program: the largest step program, compiled.
+      memory_limit_bytes, in_use_bytes: the device's memory limit and what is allocated now (weights, pool).
+      what: the budgets that sized this step, for the message.
+    """
+    needed = program.memory.beyond_arguments_bytes
+    free = memory_limit_bytes - in_use_bytes
+    if needed <= free:
+        return
+    raise ValueError(
+        f"the largest step (T={program.num_tokens} tokens, S={program.num_seqs} rows; {what}) needs "
+        f"{needed / 2**30:.2f} GiB of device memory beyond its arguments, but only {free / 2**30:.2f} GiB of "
+        f"{memory_limit_bytes / 2**30:.2f} GiB is free after the weights and the KV pool; lower "
+        "kv_cache_memory_bytes (--kv_cache_memory), max_num_batched_tokens or max_num_seqs"
+    )

@@ -1,0 +1,135 @@
+"""Deviceless compiles: the kernels by libtpu's Mosaic (v5e, v6e) and by triton for sm_90, the engine step by
+libtpu, and the start-up check that the largest step fits in device memory.
+
+These run the real compilers (the `test` extra pins libtpu and triton); a missing compiler fails, it does not
+skip. Each TPU case compiles in a worker process (scripts/aot_compile.py): some bad layouts abort libtpu.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import models
+from paxkv.aot import AbstractEngine, compile_step
+from paxkv.config import EngineConfig
+from paxkv.engine import Engine
+from paxkv.mesh import make_mesh
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "aot_compile.py")
+
+
+def _aot(tmp_path, *args, timeout=900) -> dict:
+    """Run scripts/aot_compile.py without the tests' CPU flags; return its JSON (the run must succeed)."""
+    out = tmp_path / "result.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    run = subprocess.run(
+        [sys.executable, SCRIPT, *args, f"--json={out}"], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("target", ["tpu-v5e", "tpu-v6e"])
+def test_tpu_kernel_compiles_with_mosaic(tmp_path, target):
+    """The CI subset: Llama-3-8B's and SmolLM2's head shapes in every page dtype and batch kind, and corners of
+    every axis (pages 16-128, head_dim 64-256, 1-8 KV heads, GQA 1-8). scripts/aot_compile.py --kernels full
+    compiles the whole product."""
+    result = _aot(tmp_path, f"--target={target}", "--kernels=ci")
+    rows = result["rows"]
+    assert all(row["status"] == "ok" for row in rows), [r for r in rows if r["status"] != "ok"]
+    cases = [row["case"] for row in rows]
+    for axis, values in (
+        ("page_size", {16, 32, 64, 128}),
+        ("head_dim", {64, 128, 256}),
+        ("num_kv_heads", {1, 2, 3, 8}),
+        ("kv_dtype", {"bfloat16", "float32", "float8_e4m3fn", "int8"}),
+        ("kind", {"decode", "prefill", "mixed"}),
+    ):
+        assert values <= {case[axis] for case in cases}, axis
+    assert {case["group"] for case in cases} >= {1, 2, 3, 4, 5, 6, 7, 8}
+
+
+def test_gpu_kernel_compiles_for_sm90_within_its_limits(tmp_path):
+    """ptxas for sm_90a: no spills in decode tiles (one token, padded query heads), at most 256 bytes a thread
+    in prefill and mixed tiles, and shared memory within H200's 227 KiB."""
+    result = _aot(tmp_path, "--target=gpu-sm90", "--kernels=ci")
+    rows = result["rows"]
+    assert {row["case"]["kv_dtype"] for row in rows} == {"bfloat16", "float8_e4m3fn", "int8"}
+    for row in rows:
+        assert row["status"] == "ok", row
+        limit = 0 if row["case"]["kind"] == "decode" else 256
+        assert row["spill_stores"] <= limit and row["spill_loads"] <= limit, row
+        assert row["shared_bytes"] <= 227 * 1024, row
+        assert 0 < row["registers"] <= 255, row
+        if row["case"]["kind"] == "decode":
+            assert row["tile"].startswith("16x") and "(1 tok x 16 heads" in row["tile"], row
+
+
+def test_engine_step_compiles_for_tpu_and_reports_memory(tmp_path):
+    """engine_step (forward, KV write and sampling) for SmolLM2 on one v5e chip, from shapes alone."""
+    result = _aot(tmp_path, "--target=tpu-v5e", "--model=smollm2", "--buckets=largest", "--kv_cache_memory=2GiB")
+    (step,) = result["steps"]
+    assert step["status"] == "ok" and (step["num_tokens"], step["num_seqs"]) == (512, 32)
+    # The arguments are the bf16 weights (~0.27 GB) plus the 2 GiB pool, aliased by the pool it returns.
+    assert 2 * 2**30 < step["argument_bytes"] < 2.5 * 2**30
+    assert step["alias_bytes"] >= 2 * 2**30 - 2**20
+    assert step["total_bytes"] <= result["setup"]["hbm_bytes"] and step["flops"] > 0
+
+
+@pytest.mark.parametrize("target,mesh", [("tpu-v5e", "data=1,model=4"), ("tpu-v6e", "data=1,model=8")])
+def test_sharded_engine_step_compiles_for_tpu(tmp_path, target, mesh):
+    """A Llama-3-8B-shaped step (4 of its layers, for time) on model=4 and model=8 meshes: the Pallas kernel runs
+    per shard with every mesh axis manual (libtpu refuses to partition a Mosaic call), and each chip holds its
+    share of the pool."""
+    result = _aot(
+        tmp_path,
+        f"--target={target}",
+        "--model=llama3-8b",
+        f"--mesh={mesh}",
+        "--num_layers=4",
+        "--buckets=largest",
+        "--kv_cache_memory=16GiB",
+    )
+    (step,) = result["steps"]
+    assert step["status"] == "ok", step
+    chips = result["setup"]["chips"]
+    pool_per_chip = 16 * 2**30 / chips
+    assert pool_per_chip < step["argument_bytes"] < pool_per_chip + 2**30  # the pool's shard plus the weights'
+
+
+def test_a_step_too_big_for_the_device_is_refused_at_start(tmp_path_factory, make_tiny_llama, monkeypatch):
+    """Where the device reports a memory limit, Engine compiles its largest step at start and refuses to run
+    when the step cannot fit beside the weights and the pool."""
+    path = tmp_path_factory.mktemp("tiny_fit")
+    make_tiny_llama().save_pretrained(path)
+    loaded = models.load(path, require_tokenizer=False)
+    config = EngineConfig(num_pages=16, page_size=8, max_num_seqs=4, max_num_batched_tokens=64)
+    monkeypatch.setattr("paxkv.engine.device_memory", lambda mesh: (2**30, 2**30 - 1000))
+    with pytest.raises(ValueError, match=r"largest step \(T=64 tokens, S=4 rows.*lower kv_cache_memory_bytes"):
+        Engine(loaded, config)
+    monkeypatch.setattr("paxkv.engine.device_memory", lambda mesh: (2**30, 0))
+    engine = Engine(loaded, config)  # room to spare: it starts
+    assert engine.allocator.num_total_pages > 0
+
+
+@pytest.mark.parametrize("mesh_shape", ["data=2,model=2", "data=1,model=2"])
+def test_the_start_check_compiles_the_engines_own_step_program(tmp_path_factory, make_tiny_llama, mesh_shape):
+    """The largest step compiled ahead of time from a live engine's state (data_parallel_step with its [D, ...]
+    batch when data > 1) holds the pool's shard as a donated, aliased argument."""
+    path = tmp_path_factory.mktemp("tiny_mesh")
+    make_tiny_llama(num_key_value_heads=2).save_pretrained(path)
+    mesh = make_mesh(mesh_shape)
+    loaded = models.load(path, mesh=mesh, require_tokenizer=False)
+    engine = Engine(loaded, EngineConfig(num_pages=32, page_size=8, max_num_seqs=4, max_num_batched_tokens=32))
+    state = AbstractEngine(
+        loaded.graphdef, loaded.state, engine.kv_caches, 8, engine.pages_per_seq, loaded.config.vocab_size, mesh
+    )
+    program = compile_step(state, 32, 4, with_logprobs=True, vocab_arrays=True)
+    pool_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(engine.kv_caches)) // mesh.size
+    assert program.memory.alias_bytes >= pool_bytes > 0
+    assert program.memory.argument_bytes > pool_bytes and program.flops > 0
