@@ -105,6 +105,9 @@ def kernel_cases(kernel: str, which: str) -> list[KernelCase]:
         KernelCase("tpu", "mixed", "float32", 2, 6, 64, 128),
         KernelCase("tpu", "decode", "float8_e5m2", 8, 1, 64, 64),
         KernelCase("tpu", "prefill", "int8", 3, 2, 128, 32),
+        # Many KV heads (MHA, Llama-2-7B's 32): programs of 8 heads, lane-aligned slices of each page.
+        KernelCase("tpu", "decode", "int8", 16, 1, 128, 16),
+        KernelCase("tpu", "prefill", "bfloat16", 32, 1, 128, 16),
     ]
     return ci
 
@@ -343,8 +346,12 @@ def run_step_programs(args, tpu: deviceless.Target) -> tuple[list[dict], dict]:
         try:
             program = aot.compile_step(engine, num_tokens, num_seqs, with_logprobs=args.logprobs)
         except Exception as e:
-            row.update(status="error", message=" ".join(str(e).split())[:400])
-            traceback.print_exc()
+            message = " ".join(str(e).split())[:400]
+            # libtpu itself refuses a program whose buffers exceed the chip's HBM.
+            status = "does not fit" if "RESOURCE_EXHAUSTED" in message else "error"
+            row.update(status=status, message=message)
+            if status == "error":
+                traceback.print_exc()
         else:
             memory_row = dataclasses.asdict(program.memory)
             fits = program.memory.total_bytes <= tpu.memory_bytes
@@ -380,8 +387,8 @@ def _gib(n: float) -> str:
 
 
 def _step_line(row: dict, tpu: deviceless.Target) -> str:
-    if row["status"] == "error":
-        return f"| {row['num_tokens']} | {row['num_seqs']} | error | | | | | | | {row['message'][:120]} |"
+    if "message" in row:
+        return f"| {row['num_tokens']} | {row['num_seqs']} | {row['status']}: {row['message'][:160]} | | | | | | | |"
     return (
         f"| {row['num_tokens']} | {row['num_seqs']} | {row['status']} | {row['seconds']} | "
         f"{_gib(row['argument_bytes'])} | {_gib(row['output_bytes'] - row['alias_bytes'])} | "

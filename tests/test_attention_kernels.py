@@ -74,6 +74,15 @@ def test_sliding_window_and_soft_cap(kernel, sliding_window, soft_cap):
     _check_against_reference(out, case, "float32", sliding_window=sliding_window, soft_cap=soft_cap)
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_tpu_kernel_splits_many_kv_heads_into_lane_aligned_blocks(kv_dtype):
+    """16 KV heads (an MHA model's): programs of 8 heads each, DMAing their lanes of every page and their
+    128 scale words of the page's row."""
+    case = standard_case(6, kv_dtype, "mixed", 16, 64, 1, num_kv_heads=16)
+    _check_against_reference(KERNELS["tpu"](case), case, kv_dtype)
+    _check_against_reference(KERNELS["tpu"](case, heads_per_block=16), case, kv_dtype)
+
+
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_group_of_three_query_heads(kernel):
     """SmolLM2's 9 query heads over 3 KV heads: the GPU kernel pads the group to 4."""
