@@ -71,12 +71,21 @@ def test_gpu_kernel_compiles_for_sm90_within_its_limits(tmp_path):
 
 
 def test_engine_step_compiles_for_tpu_and_reports_memory(tmp_path):
-    """engine_step (forward, KV write and sampling) for SmolLM2 on one v5e chip, from shapes alone."""
-    result = _aot(tmp_path, "--target=tpu-v5e", "--model=smollm2", "--buckets=largest", "--kv_cache_memory=2GiB")
+    """engine_step (forward, KV write and sampling) for SmolLM2 (8 of its 30 layers, for time; the script's
+    tables in BUILD.md compile all of them) on one v5e chip, from shapes alone."""
+    result = _aot(
+        tmp_path,
+        "--target=tpu-v5e",
+        "--model=smollm2",
+        "--num_layers=8",
+        "--buckets=largest",
+        "--kv_cache_memory=2GiB",
+    )
     (step,) = result["steps"]
     assert step["status"] == "ok" and (step["num_tokens"], step["num_seqs"]) == (512, 32)
-    # The arguments are the bf16 weights (~0.27 GB) plus the 2 GiB pool, aliased by the pool it returns.
-    assert 2 * 2**30 < step["argument_bytes"] < 2.5 * 2**30
+    # The arguments are the bf16 weights (~0.1 GB for 8 layers and the embedding) plus the 2 GiB pool, aliased
+    # by the pool it returns.
+    assert 2 * 2**30 < step["argument_bytes"] < 2.25 * 2**30
     assert step["alias_bytes"] >= 2 * 2**30 - 2**20
     assert step["total_bytes"] <= result["setup"]["hbm_bytes"] and step["flops"] > 0
 
