@@ -23,8 +23,8 @@ from models.sharding import restore_target, state_shardings
 from paxkv.kv_cache import abstract_pool, kv_bytes_per_page, kv_storage_dtype
 from paxkv.mesh import num_scale_groups
 from paxkv.sampler import SamplingArrays
-from paxkv.scheduled_batch import ScheduledBatch
-from paxkv.step import data_parallel_step, engine_step, static_graph
+from paxkv.scheduled_batch import ReplicaBatch
+from paxkv.step import StepBatch, engine_step, static_graph
 from paxkv.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class AbstractEngine:
 
     @property
     def num_replicas(self) -> int:
-        """Data-parallel replicas: the step then runs data_parallel_step over batches with a leading [D] axis."""
+        """D, the data replicas (the step's batch has a leading [D] axis)."""
         return self.mesh.shape["data"] if self.mesh is not None else 1
 
 
@@ -158,10 +158,10 @@ def pages_for_memory(
     return max(2, memory_bytes // per_page)
 
 
-def abstract_step_arguments(
-    engine: AbstractEngine, num_tokens: int, num_seqs: int, *, with_logprobs: bool = False, vocab_arrays: bool = False
-) -> tuple:
-    """engine_step's arguments after the graph, state and pool for a (T, S) bucket, as replicated ShapeDtypeStructs.
+def abstract_step_batch(
+    engine: AbstractEngine, num_tokens: int, num_seqs: int, *, vocab_arrays: bool = False
+) -> StepBatch:
+    """engine_step's batch for a (T, S) bucket as ShapeDtypeStructs: [D, ...] leaves, split on "data" when D > 1.
 
     The arrays come from the builders Engine uses (StepInputs.from_batch, SamplingArrays.from_params) on an
     empty batch padded to the bucket, so their shapes and dtypes are the engine's.
@@ -169,10 +169,9 @@ def abstract_step_arguments(
     Args:
       engine: the abstract engine.
       num_tokens, num_seqs: the T and S buckets.
-      with_logprobs: compile the logprobs variant.
       vocab_arrays: include the per-row vocabulary arrays (penalties and min_tokens), the largest variant.
     """
-    empty = ScheduledBatch(sequences=[], num_batched_tokens=0, preempted_request_ids=[])
+    empty = ReplicaBatch(sequences=[], num_batched_tokens=0, preempted_request_ids=[])
     inputs = StepInputs.from_batch(
         empty,
         max_num_batched_tokens=num_tokens,
@@ -193,26 +192,26 @@ def abstract_step_arguments(
     sharding = NamedSharding(engine.mesh, spec) if engine.mesh is not None else None
 
     def abstract(leaf):
-        shape = np.shape(leaf) if replicas == 1 else (replicas, *np.shape(leaf))  # data_parallel_step's [D, ...]
-        return jax.ShapeDtypeStruct(shape, np.asarray(leaf).dtype, sharding=sharding)
+        return jax.ShapeDtypeStruct((replicas, *np.shape(leaf)), np.asarray(leaf).dtype, sharding=sharding)
 
-    arrays = jax.tree.map(abstract, (inputs, sampling, *vocab))
-    return (*arrays, with_logprobs)
+    return jax.tree.map(abstract, StepBatch(inputs, sampling, *vocab))
 
 
-def compile_step(engine: AbstractEngine, num_tokens: int, num_seqs: int, **variant) -> StepProgram:
+def compile_step(
+    engine: AbstractEngine, num_tokens: int, num_seqs: int, *, with_logprobs: bool = False, vocab_arrays: bool = False
+) -> StepProgram:
     """Compile engine_step for one (T, S) bucket under the engine's mesh; raises what the compiler raises.
 
     Args:
       engine: the abstract (or a real engine's) state.
       num_tokens, num_seqs: the T and S buckets.
-      variant: with_logprobs, vocab_arrays (see abstract_step_arguments).
+      with_logprobs: compile the logprobs variant.
+      vocab_arrays: include the per-row vocabulary arrays (see abstract_step_batch).
     """
-    arguments = abstract_step_arguments(engine, num_tokens, num_seqs, **variant)
-    step = data_parallel_step if engine.num_replicas > 1 else engine_step
+    batch = abstract_step_batch(engine, num_tokens, num_seqs, vocab_arrays=vocab_arrays)
     start = time.perf_counter()
     with jax.set_mesh(engine.mesh) if engine.mesh is not None else contextlib.nullcontext():
-        traced = step.trace(static_graph(engine.graphdef), engine.state, engine.kv_caches, *arguments)
+        traced = engine_step.trace(static_graph(engine.graphdef), engine.state, engine.kv_caches, batch, with_logprobs)
         compiled = traced.lower().compile()
     seconds = time.perf_counter() - start
     cost = compiled.cost_analysis()

@@ -33,7 +33,7 @@ class EngineConfig:
     # Admission keeps this fraction of the pool free, so a new request does not at once force preemptions.
     watermark: float = 0.01
     # The device mesh, "data=D,model=M" or a dict; None puts every device on "model" (one device on CPU).
-    # data > 1 runs data-parallel replicas (paxkv/data_parallel.py).
+    # data > 1 runs data-parallel replicas, each with its own share of the pool (paxkv/scheduler.py).
     # LLM and the CLI load the model onto it (paxkv.mesh.load_on_mesh).
     mesh_shape: str | dict | None = None
 

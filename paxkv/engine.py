@@ -11,28 +11,26 @@ import models
 from models.paged_forward import bucket
 from paxkv.aot import AbstractEngine, check_step_fits, compile_step, device_memory
 from paxkv.config import EngineConfig
-from paxkv.data_parallel import DataParallelBatch, DataParallelScheduler, PartitionedPages
 from paxkv.distributed import agree_across_processes, host_value
 from paxkv.kv_cache import allocate_pool, kv_bytes_per_page, kv_bytes_per_token, kv_storage_dtype
 from paxkv.mesh import engine_mesh, num_scale_groups
 from paxkv.metrics import EngineMetrics
 from paxkv.outputs import RequestMetrics, RequestOutput
-from paxkv.page_allocator import PageAllocator
 from paxkv.preemption import PreemptionPolicy
-from paxkv.prefix_trie import PrefixTrie
 from paxkv.request import Request
 from paxkv.sampling_params import SamplingParams
-from paxkv.scheduler import ScheduledBatch, Scheduler
+from paxkv.scheduled_batch import ScheduledBatch
+from paxkv.scheduler import Scheduler
 from paxkv.step import (
     SampledTokens,
+    StepBatch,
     copy_pages,
-    data_parallel_step,
     engine_step,
     num_step_compilations,
     page_copy_arrays,
     static_graph,
 )
-from paxkv.step_arguments import build_step_arguments
+from paxkv.step_arguments import build_step_batch
 from paxkv.step_inputs import num_buckets
 from paxkv.swap import HostSwapSpace
 from paxkv.tracking import RequestGroup, SampleState, append_logprobs
@@ -100,7 +98,19 @@ class Engine:
             )
         self.swap_space = HostSwapSpace(self.kv_caches, num_host_slots) if num_host_slots else None
         self.preemption = PreemptionPolicy(preemption_mode, bytes_per_page, num_host_slots)
-        self._build_scheduler(pages_per_replica)
+        self.scheduler = Scheduler(
+            num_replicas=self.num_replicas,
+            pages_per_replica=pages_per_replica,
+            page_size=config.page_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=config.enable_prefix_caching,
+            eos_token_ids=loaded.generation_config.eos_token_ids,
+            swap_slots=self.swap_space.slots if self.swap_space is not None else None,
+            preemption=self.preemption,
+            watermark_pages=int(config.watermark * (pages_per_replica - 1)),
+        )
         self.pages_per_seq = -(-self.max_model_len // config.page_size)
         self._seed_source = np.random.default_rng(config.seed)
         # Each caller's request by its id, and each of its samples by scheduler request id.
@@ -109,7 +119,7 @@ class Engine:
         self._graph = static_graph(loaded.graphdef)
         # (T bucket, S bucket, penalties?, suppress?, logprobs?): each distinct one is one step program.
         self.step_shapes: set[tuple[int, int, bool, bool, bool]] = set()
-        self.metrics = EngineMetrics(num_total_pages=self.allocator.num_total_pages, page_size=config.page_size)
+        self.metrics = EngineMetrics(num_total_pages=self.scheduler.num_total_pages, page_size=config.page_size)
         self.kv_cache_bytes = num_pages * bytes_per_page
         self.kv_bytes_per_token = kv_bytes_per_token(*shape, num_groups)
         self.kv_dtype = kv_dtype
@@ -119,7 +129,7 @@ class Engine:
             num_pages,
             config.page_size,
             self.num_replicas,
-            self.allocator.num_total_pages * config.page_size,
+            self.scheduler.num_total_pages * config.page_size,
             kv_dtype.name,
             self.kv_bytes_per_token,
             self.kv_cache_bytes / 2**20,
@@ -154,41 +164,6 @@ class Engine:
             (memory[0] - memory[1]) / 2**30,
             memory[0] / 2**30,
         )
-
-    def _build_scheduler(self, pages_per_replica: int) -> None:
-        """The scheduler, page allocator(s) and prefix cache(s): one of each, or one per data replica."""
-        config = self.config
-
-        def make_scheduler(allocator: PageAllocator, prefix_trie: PrefixTrie | None) -> Scheduler:
-            return Scheduler(
-                allocator,
-                page_size=config.page_size,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                eos_token_ids=self.loaded.generation_config.eos_token_ids,
-                prefix_trie=prefix_trie,
-                swap_slots=self.swap_space.slots if self.swap_space is not None else None,
-                preemption=self.preemption,
-                watermark_pages=int(config.watermark * (pages_per_replica - 1)),
-            )
-
-        if self.num_replicas == 1:
-            self.allocator = PageAllocator(pages_per_replica)
-            self.prefix_trie = PrefixTrie(self.allocator, config.page_size) if config.enable_prefix_caching else None
-            self.scheduler = make_scheduler(self.allocator, self.prefix_trie)
-            self._prefix_tries = [self.prefix_trie] if self.prefix_trie is not None else []
-            return
-        self.scheduler = DataParallelScheduler(
-            make_scheduler,
-            num_replicas=self.num_replicas,
-            pages_per_replica=pages_per_replica,
-            page_size=config.page_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-        )
-        self.allocator = PartitionedPages(self.scheduler.allocators)
-        self.prefix_trie = None  # one per replica: self.scheduler.prefix_tries
-        self._prefix_tries = [trie for trie in self.scheduler.prefix_tries if trie is not None]
 
     def add_request(
         self,
@@ -384,12 +359,12 @@ class Engine:
         used = self._num_request_pages()
         metrics = self.metrics
         # Every allocated page is held by a request, or else only by the prefix cache (idle).
-        metrics.kv_pages_cached_idle = self.allocator.num_used_pages - used
+        metrics.kv_pages_cached_idle = self.scheduler.num_used_pages - used
         metrics.prefix_query_tokens = self.scheduler.num_prefix_query_tokens
         metrics.prefix_hit_tokens = self.scheduler.num_prefix_hit_tokens
-        if self._prefix_tries:
-            metrics.kv_pages_cached = sum(trie.num_cached_pages for trie in self._prefix_tries)
-            metrics.prefix_evictions = sum(trie.num_evictions for trie in self._prefix_tries)
+        if self.config.enable_prefix_caching:
+            metrics.kv_pages_cached = self.scheduler.num_cached_pages
+            metrics.prefix_evictions = self.scheduler.num_evictions
         if start is None:
             self.metrics.kv_pages_used = used
             return
@@ -398,13 +373,13 @@ class Engine:
         filled = sum(request.num_computed_tokens for request in running)
         self.metrics.record_step(start, num_tokens, used, allocated, filled, peak_kv_pages=peak)
 
-    def step_arguments(self, batch: ScheduledBatch | DataParallelBatch) -> tuple:
-        """The step's arguments after the graph, state and pool, for `batch` (see paxkv.step_arguments).
+    def step_batch(self, batch: ScheduledBatch) -> tuple[StepBatch, bool]:
+        """The step's batch argument and logprobs flag for `batch` (see paxkv.step_arguments).
 
         Args:
           batch: a batch the scheduler returned.
         """
-        return build_step_arguments(
+        return build_step_batch(
             batch,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_num_seqs=self.config.max_num_seqs,
@@ -414,7 +389,7 @@ class Engine:
             eos_token_ids=list(self.loaded.generation_config.eos_token_ids),
         )
 
-    def _move_pages(self, batch: ScheduledBatch | DataParallelBatch) -> None:
+    def _move_pages(self, batch: ScheduledBatch) -> None:
         """Before the step: pages out to the host (preemption by swap), back in (resumption), copies on write."""
         for moves, direction in ((batch.swap_out, "out"), (batch.swap_in, "in")):
             if not moves:
@@ -432,20 +407,19 @@ class Engine:
         if batch.page_copies:
             self.kv_caches = copy_pages(self.kv_caches, *page_copy_arrays(batch.page_copies))
 
-    def _run(self, batch: ScheduledBatch | DataParallelBatch) -> SampledTokens:
-        """Run the jitted step on `batch` (the pool is donated and replaced) and return its sampled tokens,
-        one row per sequence of batch.sequences (data parallelism: on the host, replicas' rows in order)."""
-        arguments = self.step_arguments(batch)
-        inputs, _, token_counts, _, suppress, with_logprobs = arguments
+    def _run(self, batch: ScheduledBatch) -> SampledTokens:
+        """Run the jitted step on `batch` (the pool is donated and replaced) and return its sampled tokens on the
+        host, one row per sequence of batch.sequences (the replicas' live rows in order)."""
+        step_batch, with_logprobs = self.step_batch(batch)
+        inputs = step_batch.inputs
         num_tokens, num_rows = inputs.tokens.shape[-1], inputs.logits_indices.shape[-1]
-        self.step_shapes.add((num_tokens, num_rows, token_counts is not None, suppress is not None, with_logprobs))
-        data_parallel = isinstance(batch, DataParallelBatch)
-        step = data_parallel_step if data_parallel else engine_step
+        shape = (num_tokens, num_rows, step_batch.token_counts is not None, step_batch.suppress is not None)
+        self.step_shapes.add((*shape, with_logprobs))
         # Under the mesh, a Pallas kernel runs per model shard (models.sharding.attention_on_mesh).
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            sampled, self.kv_caches = step(self._graph, self.loaded.state, self.kv_caches, *arguments)
-        if not data_parallel:
-            return sampled
+            sampled, self.kv_caches = engine_step(
+                self._graph, self.loaded.state, self.kv_caches, step_batch, with_logprobs
+            )
         # [D, S, ...] -> the live rows, replica by replica.
         rows = [
             replica * num_rows + row for replica, b in enumerate(batch.replica_batches) for row in range(b.num_seqs)

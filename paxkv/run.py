@@ -274,7 +274,7 @@ def main(argv):
         engine = Engine(loaded, engine_config)
     except (CheckpointError, ValueError) as e:
         sys.exit(f"paxkv: {e}")
-    num_pages, page_size = engine.allocator.num_total_pages, engine_config.page_size
+    num_pages, page_size = engine.scheduler.num_total_pages, engine_config.page_size
     leader = is_leader()  # only process 0 writes outputs and metrics; every process computes
     if leader:
         print(

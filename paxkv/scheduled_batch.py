@@ -1,6 +1,7 @@
-"""What one engine step runs: the scheduled sequences, and the page moves to do before it."""
+"""What one engine step runs: each replica's scheduled sequences, and the page moves to do before it."""
 
 import dataclasses
+from collections.abc import Callable
 
 from paxkv.request import Request
 
@@ -25,8 +26,9 @@ class ScheduledSequence:
 
 
 @dataclasses.dataclass(frozen=True)
-class ScheduledBatch:
-    """One engine step: sequences in row order (running ones oldest first, then newly admitted ones) and totals."""
+class ReplicaBatch:
+    """One replica's share of a step: sequences in row order (running ones oldest first, then newly admitted
+    ones), totals, and page moves in the replica's own (local) pages."""
 
     sequences: list[ScheduledSequence]
     num_batched_tokens: int
@@ -49,3 +51,63 @@ class ScheduledBatch:
     def is_empty(self) -> bool:
         """Whether nothing was scheduled."""
         return not self.sequences
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledBatch:
+    """One engine step over D >= 1 data replicas: each replica's batch (local pages), and the page moves in
+    global pages of the whole pool (replica r's local page p is global page r * pages_per_replica + p)."""
+
+    replica_batches: list[ReplicaBatch]
+    pages_per_replica: int
+
+    @property
+    def sequences(self) -> list[ScheduledSequence]:
+        """Every replica's sequences, replica 0's first: the step's row order."""
+        return [sequence for batch in self.replica_batches for sequence in batch.sequences]
+
+    @property
+    def num_seqs(self) -> int:
+        """The number of sequences over all replicas."""
+        return sum(batch.num_seqs for batch in self.replica_batches)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """New tokens over all replicas."""
+        return sum(batch.num_batched_tokens for batch in self.replica_batches)
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether no replica scheduled anything."""
+        return all(batch.is_empty for batch in self.replica_batches)
+
+    @property
+    def preempted_request_ids(self) -> list[str]:
+        """Requests preempted by recompute while building the batch, replica by replica."""
+        return [request_id for batch in self.replica_batches for request_id in batch.preempted_request_ids]
+
+    @property
+    def page_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write page pairs, as global pages."""
+        return self._global(lambda batch: batch.page_copies, (True, True))
+
+    @property
+    def swap_out(self) -> list[tuple[int, int]]:
+        """(global device page, host slot) pairs to copy out before the step."""
+        return self._global(lambda batch: batch.swap_out, (True, False))
+
+    @property
+    def swap_in(self) -> list[tuple[int, int]]:
+        """(host slot, global device page) pairs to copy in before the step."""
+        return self._global(lambda batch: batch.swap_in, (False, True))
+
+    def _global(self, moves: Callable[[ReplicaBatch], list], is_page: tuple[bool, bool]) -> list[tuple[int, int]]:
+        """A move list of every replica with its local pages turned into global ones (host slots are shared)."""
+        result = []
+        for replica, batch in enumerate(self.replica_batches):
+            offset = replica * self.pages_per_replica
+            for pair in moves(batch):
+                result.append(
+                    tuple(value + offset if page else value for value, page in zip(pair, is_page, strict=True))
+                )
+        return result

@@ -1,401 +1,238 @@
-"""Continuous batching on the host: chunked prefill and decodes under token and sequence budgets; preemption."""
+"""The engine's scheduler: D >= 1 data replicas, each with its own partition of the page pool.
 
-import bisect
-import collections
-import logging
-from collections.abc import Iterable, Mapping
+One replica is the normal case of D. The pool's page axis is split on the mesh's "data" axis (D = 1: not
+split): replica r owns global pages [r * N, (r + 1) * N), which it sees as local pages [0, N) (local page 0
+is its null page). Each replica has its own page allocator, prefix cache and ReplicaScheduler, so block
+tables and slots index within the replica's partition, and the step runs every replica's ragged batch at
+once, each on its own devices (step.engine_step).
+
+Routing is decided once, at admission, and is deterministic: a request goes to the replica whose prefix
+cache holds the longest prefix of its prompt (when prefix caching is on), else to the least loaded one,
+else the lowest-numbered. It stays there, preemptions included, so every process of a multi-host run,
+running this same code on the same requests, makes the same plan.
+"""
+
+from collections.abc import Mapping
+from typing import Protocol
 
 from paxkv.page_allocator import PageAllocator
-from paxkv.page_sharing import PageSharing
 from paxkv.preemption import PreemptionPolicy
 from paxkv.prefix_trie import PrefixTrie
-from paxkv.request import Request, RequestStatus
-from paxkv.scheduled_batch import ScheduledBatch, ScheduledSequence
+from paxkv.replica_scheduler import ReplicaScheduler
+from paxkv.request import Request
+from paxkv.scheduled_batch import ScheduledBatch
 from paxkv.swap import HostSlotAllocator
 
-logger = logging.getLogger(__name__)
+
+class SchedulerInterface(Protocol):
+    """What the engine asks of a scheduler: requests in, one batch per step, the step's tokens back."""
+
+    def add_request(self, request: Request) -> None: ...
+    def schedule(self) -> ScheduledBatch: ...
+    def update(self, batch: ScheduledBatch, sampled_tokens: Mapping[str, int]) -> list[Request]: ...
+    def take_forked(self) -> list[Request]: ...
+    def abort(self, request_id: str) -> Request | None: ...
+    def finish(self, request: Request, finish_reason: str) -> None: ...
+    def has_unfinished_requests(self) -> bool: ...
 
 
-def _run_order(request: Request) -> tuple[int, int]:
-    """Running requests go by priority, then arrival: the last one is the first victim."""
-    return request.priority, request.arrival_index
-
-
-class Scheduler(PageSharing):
-    """FIFO continuous batching: running requests first, then waiting ones, preempting the newest when out of pages."""
+class Scheduler:
+    """The single, deterministic scheduler of an engine: it routes each request to one of D >= 1 replicas, whose
+    own continuous-batching ReplicaScheduler plans its share of every step under per-replica budgets."""
 
     def __init__(
         self,
-        allocator: PageAllocator,
         *,
+        num_replicas: int,
+        pages_per_replica: int,
         page_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
-        eos_token_ids: Iterable[int] = (),
-        prefix_trie: PrefixTrie | None = None,
+        enable_prefix_caching: bool = True,
+        eos_token_ids=(),
         swap_slots: HostSlotAllocator | None = None,
         preemption: PreemptionPolicy | None = None,
         watermark_pages: int = 0,
     ):
-        """Creates a scheduler that hands out pages of `allocator`.
+        """Creates one allocator, prefix cache and ReplicaScheduler per replica.
 
         Args:
-          allocator: the page pool; the scheduler is its only user.
+          num_replicas: D, the mesh's "data" size (1 without data parallelism).
+          pages_per_replica: N, pages in each replica's partition, its null page included.
           page_size: tokens per page.
-          max_num_seqs: the most sequences in one step (and running at once).
-          max_num_batched_tokens: the most new tokens in one step, prefill chunks and decodes together.
-          max_model_len: the most tokens (prompt plus output) one request may reach.
+          max_num_seqs, max_num_batched_tokens: per-replica budgets of one step.
+          max_model_len: the most tokens one request may reach.
+          enable_prefix_caching: give each replica a prefix cache.
           eos_token_ids: tokens that stop a request unless its sampling params say ignore_eos.
-          prefix_trie: a prefix cache over the same allocator, or None for no caching.
-          swap_slots: the host pool's free list, or None for no swapping.
+          swap_slots: the host swap pool's free list (shared by every replica), or None for no swapping.
           preemption: chooses recompute or swap per victim; None means recompute.
-          watermark_pages: pages admission leaves free (while anything runs), against immediate preemption.
+          watermark_pages: pages each replica's admission leaves free.
         """
-        for name, value in (
-            ("page_size", page_size),
-            ("max_num_seqs", max_num_seqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-            ("max_model_len", max_model_len),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        self.allocator = allocator
+        self.pages_per_replica = pages_per_replica
         self.page_size = page_size
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.eos_token_ids = frozenset(int(token_id) for token_id in eos_token_ids)
-        # Every waiting request arrived after every running one: admission is FIFO and the newest running is
-        # preempted to the front of the queue. So both lists stay in arrival order.
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []
-        self.num_preemptions = 0
-        self.num_preemptions_by_kind = {"recompute": 0, "swap": 0}
-        self.prefix_trie = prefix_trie
-        self.swap_slots = swap_slots
-        self.preemption = preemption
-        self.watermark_pages = watermark_pages
-        self._swap_out: list[tuple[int, int]] = []
-        self._swap_in: list[tuple[int, int]] = []
-        self._slots_to_free: list[int] = []
-        # Prompt tokens looked up in the prefix cache at first admission, and those found there.
-        # Recomputation after a preemption is neither (vllm #25780: it would inflate the hit rate).
-        self.num_prefix_query_tokens = 0
-        self.num_prefix_hit_tokens = 0
-        self._num_arrivals = 0
-        self._unfinished: dict[str, Request] = {}
-        # Sibling samples created by forks since the engine last took them (take_forked).
-        self._forked: list[Request] = []
-        self._page_copies: list[tuple[int, int]] = []
+        self.allocators = [PageAllocator(pages_per_replica) for _ in range(num_replicas)]
+        self.prefix_tries = [
+            PrefixTrie(allocator, page_size) if enable_prefix_caching else None for allocator in self.allocators
+        ]
+        self.replicas = [
+            ReplicaScheduler(
+                allocator,
+                page_size=page_size,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                eos_token_ids=eos_token_ids,
+                prefix_trie=trie,
+                swap_slots=swap_slots,
+                preemption=preemption,
+                watermark_pages=watermark_pages,
+            )
+            for allocator, trie in zip(self.allocators, self.prefix_tries, strict=True)
+        ]
+        self._replica_of: dict[str, int] = {}  # unfinished request id (forked samples included) -> replica
 
     @property
-    def num_waiting(self) -> int:
-        """The number of requests queued for admission, preempted ones included."""
-        return len(self.waiting)
+    def num_replicas(self) -> int:
+        """D."""
+        return len(self.replicas)
 
     @property
-    def num_running(self) -> int:
-        """The number of requests holding pages."""
-        return len(self.running)
+    def running(self) -> list[Request]:
+        """Running requests, replica by replica."""
+        return [request for replica in self.replicas for request in replica.running]
+
+    @property
+    def waiting(self) -> list[Request]:
+        """Waiting requests, replica by replica."""
+        return [request for replica in self.replicas for request in replica.waiting]
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions over all replicas."""
+        return sum(replica.num_preemptions for replica in self.replicas)
+
+    @property
+    def num_preemptions_by_kind(self) -> dict[str, int]:
+        """Preemptions by kind ("recompute", "swap") over all replicas."""
+        return {kind: sum(r.num_preemptions_by_kind[kind] for r in self.replicas) for kind in ("recompute", "swap")}
+
+    @property
+    def num_prefix_query_tokens(self) -> int:
+        """Prompt tokens looked up in the prefix caches."""
+        return sum(replica.num_prefix_query_tokens for replica in self.replicas)
+
+    @property
+    def num_prefix_hit_tokens(self) -> int:
+        """Prompt tokens found there."""
+        return sum(replica.num_prefix_hit_tokens for replica in self.replicas)
+
+    @property
+    def num_total_pages(self) -> int:
+        """Usable pages over all replicas (each replica's null page left out)."""
+        return sum(allocator.num_total_pages for allocator in self.allocators)
+
+    @property
+    def num_free_pages(self) -> int:
+        """Free pages over all replicas."""
+        return sum(allocator.num_free_pages for allocator in self.allocators)
+
+    @property
+    def num_used_pages(self) -> int:
+        """Allocated pages over all replicas (held by requests or only by a prefix cache)."""
+        return sum(allocator.num_used_pages for allocator in self.allocators)
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages the prefix caches hold."""
+        return sum(trie.num_cached_pages for trie in self.prefix_tries if trie is not None)
+
+    @property
+    def num_evictions(self) -> int:
+        """Cached pages evicted so far."""
+        return sum(trie.num_evictions for trie in self.prefix_tries if trie is not None)
 
     def has_unfinished_requests(self) -> bool:
-        """Returns whether any request is waiting or running."""
-        return bool(self.waiting or self.running)
+        """Whether any replica has a waiting or running request."""
+        return any(replica.has_unfinished_requests() for replica in self.replicas)
 
     def add_request(self, request: Request) -> None:
-        """Queues a request, or raises ValueError (leaving the scheduler unchanged) if it can never fit.
+        """Routes a fresh request to a replica and queues it there (ValueError, changing nothing, if it can never fit).
 
         Args:
-          request: a fresh request: WAITING, no output, no pages; its request_id unique among unfinished ones.
+          request: a fresh request, as ReplicaScheduler.add_request takes.
         """
-        if request.request_id in self._unfinished:
-            raise ValueError(f"request_id {request.request_id!r} is already queued or running; use a unique id")
-        if request.status is not RequestStatus.WAITING or request.block_table or request.num_computed_tokens:
-            raise ValueError(
-                f"request {request.request_id!r} is not fresh (status {request.status.name}); make a new one"
-            )
-        num_prompt_tokens = request.num_prompt_tokens
-        if num_prompt_tokens == 0:
-            raise ValueError(f"request {request.request_id!r} has an empty prompt; give at least one prompt token")
-        max_tokens = request.sampling_params.max_tokens
-        if num_prompt_tokens + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r} has {num_prompt_tokens} prompt tokens + max_tokens {max_tokens} = "
-                f"{num_prompt_tokens + max_tokens} tokens but max_model_len is {self.max_model_len}; "
-                "shorten the prompt, lower max_tokens or raise max_model_len"
-            )
-        num_pages = Request.num_pages_needed(self.page_size, num_prompt_tokens + max_tokens)
-        if num_pages > self.allocator.num_total_pages:
-            raise ValueError(
-                f"request {request.request_id!r} needs up to {num_pages} pages of {self.page_size} tokens "
-                f"({num_prompt_tokens} prompt tokens + max_tokens {max_tokens}) but the pool has only "
-                f"{self.allocator.num_total_pages}; raise num_pages, or shorten the prompt or lower max_tokens"
-            )
-        num_samples = request.sampling_params.n
-        if num_samples > self.max_num_seqs:
-            raise ValueError(
-                f"request {request.request_id!r} asks for n={num_samples} samples but at most max_num_seqs="
-                f"{self.max_num_seqs} sequences run at once; lower n or raise max_num_seqs"
-            )
-        request.fork_pending = num_samples > 1
-        request.arrival_index = self._num_arrivals
-        self._num_arrivals += 1
-        self._unfinished[request.request_id] = request
-        self.waiting.append(request)
+        replica = self.route(request)
+        self.replicas[replica].add_request(request)
+        request.replica = replica
+        self._replica_of[request.request_id] = replica
 
-    def schedule(self) -> ScheduledBatch:
-        """Picks this step's sequences and tokens, allocating their pages and preempting when the pool runs dry."""
-        token_budget = self.max_num_batched_tokens
-        sequences: list[ScheduledSequence] = []
-        preempted: list[str] = []
-        self._page_copies, self._swap_out, self._swap_in = [], [], []
+    def route(self, request: Request) -> int:
+        """The replica a request goes to: longest cached prefix, then least load (pages it will need), then index.
 
-        # Running requests, oldest first: each continues its prefill or decodes one token.
-        index = 0
-        while index < len(self.running) and token_budget > 0:
-            request = self.running[index]
-            num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
-            assert num_new_tokens > 0, f"request {request.request_id!r} has nothing to compute; call update first"
-            while not self._ensure_pages(request, num_new_tokens):
-                victim = self.running[-1]
-                if victim is request and index == 0:
-                    raise RuntimeError(
-                        f"request {request.request_id!r} cannot get pages even alone in the pool; "
-                        "add_request should have rejected it"
-                    )
-                self.preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
-                    break
-            if request.status is not RequestStatus.RUNNING:
-                break
-            sequences.append(self._grow(request, num_new_tokens))
-            token_budget -= num_new_tokens
-            index += 1
+        Args:
+          request: the request to place.
+        """
 
-        # Waiting requests in FIFO order; the first that does not fit blocks the rest, so none overtakes another.
-        # After a preemption the pool is tight: admitting now would only start a request to preempt it again.
-        while self.waiting and token_budget > 0 and not preempted:
-            request = self.waiting[0]
-            if self._num_seats_taken() + self._num_seats(request) > self.max_num_seqs:
-                break
-            swapped = bool(request.swapped_slots)
-            num_matched_tokens = 0 if swapped else self._match_prefix(request)
-            if not swapped and self._next_page_in_flight(request):
-                # A running request is computing this request's next page right now: wait a step and share it
-                # from the cache instead of computing a duplicate (FIFO: the requests behind wait too).
-                self._free_pages(request)
-                break
-            fork_now = self._fork_ready(request)
-            request.fork_pending = request.fork_pending and not fork_now
-            num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
-            reserve = self.watermark_pages if self.running else 0
-            if not self._ensure_pages(request, num_new_tokens, reserve):
-                if not swapped:
-                    self._free_pages(request)  # give back the matched pages; the match is retried next step
-                request.fork_pending = request.fork_pending or fork_now
-                break
-            if self.prefix_trie is not None and request.num_preemptions == 0:
-                self.num_prefix_query_tokens += request.num_prompt_tokens
-                self.num_prefix_hit_tokens += num_matched_tokens
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=_run_order)
-            if swapped:
-                self._swap_back_in(request)
-            if fork_now:
-                self._fork(request)  # the siblings compute the last prompt token next step
-            sequences.append(self._grow(request, num_new_tokens))
-            token_budget -= num_new_tokens
+        def preference(replica: int) -> tuple[int, int, int]:
+            trie = self.prefix_tries[replica]
+            matched = len(trie.match(request.all_token_ids, request.cache_salt, touch=False)) if trie else 0
+            return -matched, self._load(replica), replica
 
-        num_batched_tokens = self.max_num_batched_tokens - token_budget
-        return ScheduledBatch(
-            sequences=sequences,
-            num_batched_tokens=num_batched_tokens,
-            preempted_request_ids=preempted,
-            page_copies=self._page_copies,
-            swap_out=self._swap_out,
-            swap_in=self._swap_in,
+        return min(range(self.num_replicas), key=preference)
+
+    def _load(self, replica: int) -> int:
+        """Pages a replica's unfinished requests need at their longest (prompt plus max_tokens)."""
+        scheduler = self.replicas[replica]
+        return sum(
+            Request.num_pages_needed(self.page_size, r.num_prompt_tokens + r.sampling_params.max_tokens)
+            * (r.sampling_params.n if r.fork_pending else 1)
+            for r in (*scheduler.running, *scheduler.waiting)
         )
 
+    def schedule(self) -> ScheduledBatch:
+        """Every replica plans its share of the step."""
+        return ScheduledBatch([replica.schedule() for replica in self.replicas], self.pages_per_replica)
+
     def take_forked(self) -> list[Request]:
-        """The sibling samples created by forks since the last call (the engine starts tracking them)."""
-        forked, self._forked = self._forked, []
+        """Sibling samples forked since the last call, on every replica (they stay on their parent's)."""
+        forked = []
+        for index, replica in enumerate(self.replicas):
+            for request in replica.take_forked():
+                request.replica = index
+                self._replica_of[request.request_id] = index
+                forked.append(request)
         return forked
 
     def update(self, batch: ScheduledBatch, sampled_tokens: Mapping[str, int]) -> list[Request]:
-        """Records a finished step: advances each sequence, appends sampled tokens, finishes and frees requests.
-
-        Stop strings need detokenized text, so the engine checks them and calls finish(request, "stop") itself.
+        """Records a finished step on every replica; returns the requests that finished, replica by replica.
 
         Args:
-          batch: the batch returned by the last schedule().
-          sampled_tokens: request_id to the token sampled after its chunk, for each sequence that completes_prompt.
-        Returns:
-          The requests that finished in this step, in batch order.
+          batch: the batch schedule() returned last.
+          sampled_tokens: request_id -> sampled token, as ReplicaScheduler.update.
         """
-        # The step has copied the swapped-in pages to the device: their host slots are free again.
-        if self._slots_to_free:
-            self.swap_slots.free(self._slots_to_free)
-            self._slots_to_free = []
         finished = []
-        for sequence in batch.sequences:
-            request = sequence.request
-            if request.status is not RequestStatus.RUNNING:
-                continue  # Aborted (or preempted by a later schedule) since this batch was built.
-            request.num_computed_tokens += sequence.num_new_tokens
-            self._cache_full_pages(request)
-            if self._fork_ready(request):
-                request.fork_pending = False
-                self._fork(request)
-            if not sequence.completes_prompt:
-                continue
-            if request.request_id not in sampled_tokens:
-                raise ValueError(
-                    f"no sampled token for request {request.request_id!r}, whose chunk completes its prompt; "
-                    "pass one for every sequence with completes_prompt"
-                )
-            token_id = int(sampled_tokens[request.request_id])
-            request.output_token_ids.append(token_id)
-            finish_reason = self._check_stop(request, token_id)
-            if finish_reason is not None:
-                self.finish(request, finish_reason)
-                finished.append(request)
+        for replica, replica_batch in zip(self.replicas, batch.replica_batches, strict=True):
+            finished += replica.update(replica_batch, sampled_tokens)
+        for request in finished:
+            self._replica_of.pop(request.request_id, None)
         return finished
 
     def abort(self, request_id: str) -> Request | None:
-        """Finishes a waiting or running request with "abort" and frees its pages; unknown or finished ids are ignored.
+        """Aborts a request on its replica (None if it is unknown or finished).
 
         Args:
-          request_id: the id given at add_request.
-        Returns:
-          The aborted request, or None if no unfinished request has this id.
+          request_id: the id given at add_request (or a forked sample's).
         """
-        request = self._unfinished.get(request_id)
-        if request is None:
-            return None
-        self.finish(request, "abort")
-        return request
+        replica = self._replica_of.pop(request_id, None)
+        return None if replica is None else self.replicas[replica].abort(request_id)
 
     def finish(self, request: Request, finish_reason: str) -> None:
-        """Marks an unfinished request finished, frees its pages and drops it from the queues.
+        """Finishes a request on its replica (see ReplicaScheduler.finish)."""
+        self._replica_of.pop(request.request_id, None)
+        self.replicas[request.replica].finish(request, finish_reason)
 
-        Args:
-          request: a waiting or running request of this scheduler.
-          finish_reason: "stop", "length" or "abort".
-        """
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
-        else:
-            raise ValueError(f"request {request.request_id!r} has already finished ({request.finish_reason})")
-        self._free_pages(request)
-        if request.swapped_slots:
-            self.swap_slots.free(request.swapped_slots)
-            request.swapped_slots = []
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = finish_reason
-        del self._unfinished[request.request_id]
-
-    def preempt(self, request: Request) -> None:
-        """Takes a running request's pages and requeues it at the front, by recompute or by swap.
-
-        Recompute frees the pages; its tokens are computed again on resume (the prefix cache may give some
-        back). Swap copies the pages to host slots (before the next step's writes), frees them, and keeps
-        the computed tokens; on resume they are copied into whatever pages are free then.
-
-        Args:
-          request: a running request; the scheduler picks the lowest-priority, newest one.
-        """
-        self.running.remove(request)
-        kind = "recompute"
-        if self.preemption is not None and self.swap_slots is not None:
-            kind = self.preemption.choose(
-                self._tokens_to_recompute(request), len(request.block_table), self.swap_slots.num_free_slots
-            )
-        num_tokens, num_pages = request.num_computed_tokens, len(request.block_table)
-        if kind == "swap":
-            slots = self.swap_slots.allocate(num_pages)
-            self._swap_out += zip(request.block_table, slots, strict=True)
-            self.allocator.free(request.block_table)
-            request.block_table = []
-            request.swapped_slots = slots
-        else:
-            self._free_pages(request)
-        request.status = RequestStatus.WAITING
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self.num_preemptions_by_kind[kind] += 1
-        self.waiting.appendleft(request)
-        logger.info(
-            "preempted request %r by %s (%d computed tokens, %d pages; preemption %d of this request, %d in all)",
-            request.request_id,
-            kind,
-            num_tokens,
-            num_pages,
-            request.num_preemptions,
-            self.num_preemptions,
-        )
-
-    def _num_new_pages(self, request: Request, num_new_tokens: int) -> int:
-        """The pages a request lacks to hold its computed tokens plus `num_new_tokens`."""
-        num_pages = Request.num_pages_needed(self.page_size, request.num_computed_tokens + num_new_tokens)
-        return max(num_pages - len(request.block_table), 0)
-
-    def _ensure_pages(self, request: Request, num_new_tokens: int, reserve: int = 0) -> bool:
-        """Whether the pool has the pages a request lacks for `num_new_tokens` more tokens (and a copy of a shared
-        page it writes into) with `reserve` pages to spare, evicting idle cached pages, least recently used
-        first, only when the free list alone falls short."""
-        num_pages = self._num_new_pages(request, num_new_tokens)
-        num_pages += self._shared_write_page(request) is not None
-        if self.allocator.can_allocate(num_pages + reserve):
-            return True
-        if self.prefix_trie is not None:
-            self.prefix_trie.evict(num_pages + reserve - self.allocator.num_free_pages)
-        return self.allocator.can_allocate(num_pages + reserve)
-
-    def _grow(self, request: Request, num_new_tokens: int) -> ScheduledSequence:
-        """Allocates the pages for a request's next `num_new_tokens` tokens and describes them as one sequence."""
-        shared = self._shared_write_page(request)
-        if shared is not None:  # copy on write: the sample takes its own copy of the partial page
-            source = request.block_table[shared]
-            (copy,) = self.allocator.allocate(1)
-            self._page_copies.append((source, copy))
-            request.block_table[shared] = copy
-            self.allocator.free([source])
-        request.block_table.extend(self.allocator.allocate(self._num_new_pages(request, num_new_tokens)))
-        start = request.num_computed_tokens
-        positions = list(range(start, start + num_new_tokens))
-        slots = [request.block_table[p // self.page_size] * self.page_size + p % self.page_size for p in positions]
-        return ScheduledSequence(
-            request=request,
-            token_ids=request.all_token_ids[start : start + num_new_tokens],
-            positions=positions,
-            slots=slots,
-            block_table=list(request.block_table),
-            kv_len=start + num_new_tokens,
-            completes_prompt=start + num_new_tokens == request.num_tokens,
-        )
-
-    def _check_stop(self, request: Request, token_id: int) -> str | None:
-        """The finish reason after `token_id` was appended to `request`, or None if it goes on."""
-        params = request.sampling_params
-        num_output_tokens = request.num_output_tokens
-        # The sampler should also mask stop tokens below min_tokens; this check makes min_tokens hold regardless.
-        if num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                return "stop"
-            if token_id in params.stop_token_ids:
-                return "stop"
-        if num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _free_pages(self, request: Request) -> None:
-        """Returns a request's pages to the pool and resets its progress through the KV cache."""
-        self.allocator.free(request.block_table)
-        request.block_table = []
-        request.num_computed_tokens = 0
-        request.num_cached_pages = 0
+    def check_page_invariants(self) -> None:
+        """Checks every replica's page accounting (see PageSharing.check_page_invariants)."""
+        for replica in self.replicas:
+            replica.check_page_invariants()

@@ -1,4 +1,4 @@
-"""The jitted engine step: one ragged forward over the page pool, then sampling of one token per row."""
+"""The jitted engine step: one ragged forward per data replica over its pages, then sampling of one token per row."""
 
 import dataclasses
 import functools
@@ -48,85 +48,75 @@ def static_graph(graphdef: nnx.GraphDef) -> StaticGraph:
     return entry[1]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 8), donate_argnums=2)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """Everything one step reads besides the model and the pool; every leaf has a leading replica axis [D, ...]."""
+
+    inputs: StepInputs  # the padded ragged batch of each replica, over its local pages
+    sampling: SamplingArrays  # S rows per replica
+    token_counts: jax.Array | None  # i32[D, S, vocab] generated-token counts, only when a row has penalties
+    prompt_mask: jax.Array | None  # bool[D, S, vocab] prompt tokens, only when a row has a repetition penalty
+    suppress: jax.Array | None  # bool[D, S, vocab] tokens a row may not produce yet (min_tokens)
+
+    @property
+    def num_replicas(self) -> int:
+        """D."""
+        return self.inputs.tokens.shape[0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=2)
 def engine_step(
     graph: StaticGraph,
     state: nnx.State,
-    kv_caches: list[jax.Array],  # num_layers x [num_pages, page_size, 2K * H]
-    inputs: StepInputs,
-    sampling: SamplingArrays,  # S rows
-    token_counts: jax.Array | None,  # i32[S, vocab] generated-token counts, only when a row has penalties
-    prompt_mask: jax.Array | None,  # bool[S, vocab] prompt tokens, only when a row has a repetition penalty
-    suppress: jax.Array | None,  # bool[S, vocab] tokens a row may not produce yet (min_tokens)
+    kv_caches: list[jax.Array],  # num_layers x [D * N, page_size, 2K * H], pages split on "data" when D > 1
+    batch: StepBatch,
     with_logprobs: bool = False,
-) -> tuple[SampledTokens, list[jax.Array]]:
-    """Write the batch's K/V, compute each row's last-token logits, and sample.
+) -> tuple[SampledTokens, list[jax.Array]]:  # every SampledTokens leaf [D, S, ...]
+    """Write every replica's K/V, compute each row's last-token logits, and sample: one program for D >= 1.
 
-    A plain jax.jit over (graphdef, state) with the pool donated, so updates happen in place.
+    A plain jax.jit over (graphdef, state) with the pool donated, so updates happen in place. With D > 1
+    (under jax.set_mesh) shard_map makes "data" manual: each replica sees its N local pages and its own
+    batch, and nothing crosses replicas; "model" stays automatic, so tensor parallelism inside a replica
+    works the same (a Pallas kernel nests its own shard_map, models.sharding). With D = 1 the replica axis
+    is dropped and restored around the same body.
 
     Args:
       graph, state: the split model (the graphdef, wrapped by static_graph, is static).
       kv_caches: the page pools, donated.
-      inputs: the padded ragged batch.
-      sampling: per-row sampling settings, seeds and positions.
-      token_counts, prompt_mask, suppress: optional per-row vocabulary arrays (None compiles them away).
+      batch: the replicas' padded batches, sampling arrays and optional vocabulary arrays (None compiles
+        them away).
       with_logprobs: also return each sampled token's log-probability and rank, and the MAX_LOGPROBS most
         likely tokens of each row (static; zeros and empty arrays otherwise).
     """
-    return _forward_and_sample(
-        graph, state, kv_caches, inputs, sampling, token_counts, prompt_mask, suppress, with_logprobs
-    )
 
-
-@functools.partial(jax.jit, static_argnums=(0, 8), donate_argnums=2)
-def data_parallel_step(
-    graph: StaticGraph,
-    state: nnx.State,
-    kv_caches: list[jax.Array],  # num_layers x [D * N, page_size, 2K * H], pages split on "data"
-    inputs: StepInputs,  # every leaf [D, ...]: replica r's padded batch, over its local pages
-    sampling: SamplingArrays,  # every leaf [D, S]
-    token_counts: jax.Array | None,  # i32[D, S, vocab]
-    prompt_mask: jax.Array | None,  # bool[D, S, vocab]
-    suppress: jax.Array | None,  # bool[D, S, vocab]
-    with_logprobs: bool = False,
-) -> tuple[SampledTokens, list[jax.Array]]:  # every SampledTokens leaf [D, S, ...]
-    """engine_step on every data replica at once, each over its own shard of the pool (under jax.set_mesh).
-
-    shard_map makes "data" manual: each replica sees its N local pages and its own batch, and nothing
-    crosses replicas. "model" stays automatic, so tensor parallelism inside a replica works as in
-    engine_step (and a Pallas kernel nests its own shard_map over "model", models.sharding).
-
-    Args:
-      as engine_step, with a leading replica axis D on the batch arrays; the pool's page axis is D * N.
-    """
-
-    def replica_step(state, kv_caches, inputs, sampling, vocab_arrays):
-        local = jax.tree.map(lambda leaf: leaf[0], (inputs, sampling, vocab_arrays))  # drop the replica axis
-        inputs, sampling, (token_counts, prompt_mask, suppress) = local
-        sampled, kv_caches = _forward_and_sample(
-            graph, state, kv_caches, inputs, sampling, token_counts, prompt_mask, suppress, with_logprobs
-        )
+    def replica_step(state, kv_caches, batch):
+        local = jax.tree.map(lambda leaf: leaf[0], batch)  # this replica's [S, ...] arrays
+        sampled, kv_caches = _forward_and_sample(graph, state, kv_caches, local, with_logprobs)
         return jax.tree.map(lambda leaf: leaf[None], sampled), kv_caches
 
+    if batch.num_replicas == 1:
+        return replica_step(state, kv_caches, batch)
     per_replica = PartitionSpec("data")
-    replicated = jax.tree.map(lambda _: PartitionSpec(), state)
-    vocab_arrays = (token_counts, prompt_mask, suppress)
     sharded = jax.shard_map(
         replica_step,
-        in_specs=(replicated, per_replica, per_replica, per_replica, jax.tree.map(lambda _: per_replica, vocab_arrays)),
+        in_specs=(jax.tree.map(lambda _: PartitionSpec(), state), per_replica, per_replica),
         out_specs=(per_replica, per_replica),
         axis_names={"data"},
         check_vma=False,
     )
-    return sharded(state, kv_caches, inputs, sampling, vocab_arrays)
+    return sharded(state, kv_caches, batch)
 
 
-def _forward_and_sample(graph, state, kv_caches, inputs, sampling, token_counts, prompt_mask, suppress, with_logprobs):
-    """The body of engine_step (see there), traced once per step program."""
+def _forward_and_sample(graph, state, kv_caches, batch: StepBatch, with_logprobs: bool):
+    """The body of engine_step for one replica's batch (leaves [S, ...]), traced once per step program."""
     model = nnx.merge(graph.graphdef, state)
+    inputs = batch.inputs
     hidden, kv_caches = model(inputs.tokens, inputs.positions, kv_caches, inputs.metadata)
     logits = model.logits(hidden[inputs.logits_indices]).astype(jnp.float32)  # f32[S, vocab]
-    tokens, _ = sample(logits, sampling, token_counts, prompt_mask=prompt_mask, suppress=suppress)
+    tokens, _ = sample(
+        logits, batch.sampling, batch.token_counts, prompt_mask=batch.prompt_mask, suppress=batch.suppress
+    )
     num_rows = logits.shape[0]
     if with_logprobs:
         raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # f32[S, vocab]
@@ -143,8 +133,8 @@ def _forward_and_sample(graph, state, kv_caches, inputs, sampling, token_counts,
 
 
 def num_step_compilations() -> int:
-    """How many distinct step programs (engine_step and data_parallel_step) this process has compiled."""
-    return engine_step._cache_size() + data_parallel_step._cache_size()
+    """How many distinct step programs this process has compiled."""
+    return engine_step._cache_size()
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -5,14 +5,14 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from paxkv.data_parallel import DataParallelBatch
 from paxkv.sampler import SamplingArrays
-from paxkv.scheduled_batch import ScheduledBatch
+from paxkv.scheduled_batch import ReplicaBatch, ScheduledBatch
+from paxkv.step import StepBatch
 from paxkv.step_inputs import StepInputs, padded_batch_sizes
 
 
-def build_step_arguments(
-    batch: ScheduledBatch | DataParallelBatch,
+def build_step_batch(
+    batch: ScheduledBatch,
     *,
     max_num_batched_tokens: int,
     max_num_seqs: int,
@@ -20,11 +20,10 @@ def build_step_arguments(
     seed_of: Callable[[str], int],
     vocab_size: int,
     eos_token_ids: list[int],
-) -> tuple:
-    """engine_step's (or data_parallel_step's) arguments after the graph, state and pool, as numpy arrays: the
-    padded inputs, the sampling arrays, token_counts, prompt_mask, suppress and the logprobs flag.
+) -> tuple[StepBatch, bool]:
+    """engine_step's batch argument (numpy arrays, every leaf [D, ...]) and its logprobs flag, for a batch.
 
-    For data parallelism every array gets a leading replica axis, and all replicas pad to the same buckets.
+    All replicas pad to the same T and S buckets, and an optional vocabulary array any replica needs, all get.
 
     Args:
       batch: a batch the scheduler returned.
@@ -34,16 +33,20 @@ def build_step_arguments(
       vocab_size: the model's vocabulary size.
       eos_token_ids: tokens min_tokens holds back (unless a request ignores EOS).
     """
+    sizes = [padded_batch_sizes(b, max_num_batched_tokens, max_num_seqs) for b in batch.replica_batches]
+    padded_sizes = (max(size[0] for size in sizes), max(size[1] for size in sizes))
+    needed = [vocab_arrays_needed(b) for b in batch.replica_batches]
+    force = (any(n[0] for n in needed), any(n[1] for n in needed))
 
-    def replica_arguments(replica_batch: ScheduledBatch, padded_sizes, force: tuple[bool, bool]):
+    def replica_batch(replica: ReplicaBatch) -> StepBatch:
         inputs = StepInputs.from_batch(
-            replica_batch,
+            replica,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             pages_per_seq=pages_per_seq,
             padded_sizes=padded_sizes,
         )
-        rows = replica_batch.sequences
+        rows = replica.sequences
         num_rows = inputs.logits_indices.shape[0]
         sampling = SamplingArrays.from_params(
             [s.request.sampling_params for s in rows],
@@ -51,23 +54,14 @@ def build_step_arguments(
             seeds=[seed_of(s.request.request_id) for s in rows],
             batch_size=num_rows,
         )
-        return inputs, sampling, vocab_arrays(replica_batch, num_rows, vocab_size, eos_token_ids, force)
+        return StepBatch(inputs, sampling, *vocab_arrays(replica, num_rows, vocab_size, eos_token_ids, force))
 
+    stacked = jax.tree.map(lambda *leaves: np.stack(leaves), *map(replica_batch, batch.replica_batches))
     with_logprobs = any(s.request.sampling_params.logprobs is not None for s in batch.sequences)
-    if not isinstance(batch, DataParallelBatch):
-        inputs, sampling, arrays = replica_arguments(batch, None, (False, False))
-        return inputs, sampling, *arrays, with_logprobs
-    sizes = [padded_batch_sizes(b, max_num_batched_tokens, max_num_seqs) for b in batch.replica_batches]
-    padded_sizes = (max(size[0] for size in sizes), max(size[1] for size in sizes))
-    # Every replica runs one program: an optional vocabulary array any replica needs, all of them get.
-    needed = [vocab_arrays_needed(b) for b in batch.replica_batches]
-    force = (any(n[0] for n in needed), any(n[1] for n in needed))
-    per_replica = [replica_arguments(b, padded_sizes, force) for b in batch.replica_batches]
-    inputs, sampling, arrays = jax.tree.map(lambda *leaves: np.stack(leaves), *per_replica)
-    return inputs, sampling, *arrays, with_logprobs
+    return stacked, with_logprobs
 
 
-def vocab_arrays_needed(batch: ScheduledBatch) -> tuple[bool, bool]:
+def vocab_arrays_needed(batch: ReplicaBatch) -> tuple[bool, bool]:
     """Whether some row of `batch` has a penalty (token_counts, prompt_mask) and holds back stop tokens (suppress)."""
     rows = batch.sequences
     params = [s.request.sampling_params for s in rows]
@@ -77,7 +71,7 @@ def vocab_arrays_needed(batch: ScheduledBatch) -> tuple[bool, bool]:
 
 
 def vocab_arrays(
-    batch: ScheduledBatch, num_rows: int, vocab_size: int, eos_token_ids: list[int], force: tuple[bool, bool]
+    batch: ReplicaBatch, num_rows: int, vocab_size: int, eos_token_ids: list[int], force: tuple[bool, bool]
 ):
     """(token_counts, prompt_mask, suppress): per-row vocabulary arrays for penalties and min_tokens, each None
     unless some row needs it or `force` asks for it (rows that need nothing get neutral ones).

@@ -7,7 +7,7 @@ import numpy as np
 
 from models.paged_forward import bucket
 from pallas_kernels import AttentionMetadata
-from paxkv.scheduler import ScheduledBatch
+from paxkv.scheduled_batch import ReplicaBatch
 
 
 def power_of_two_bucket(n: int, maximum: int) -> int:
@@ -20,7 +20,7 @@ def num_buckets(maximum: int) -> int:
     return max(0, maximum - 1).bit_length() + 1
 
 
-def padded_batch_sizes(batch: ScheduledBatch, max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, int]:
+def padded_batch_sizes(batch: ReplicaBatch, max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, int]:
     """(T, S): the token and row buckets a batch pads to."""
     return (
         power_of_two_bucket(batch.num_batched_tokens, max_num_batched_tokens),
@@ -41,7 +41,7 @@ class StepInputs:
     @classmethod
     def from_batch(
         cls,
-        batch: ScheduledBatch,
+        batch: ReplicaBatch,
         *,
         max_num_batched_tokens: int,
         max_num_seqs: int,

@@ -32,15 +32,15 @@ def spec_of(array_or_spec) -> tuple:
     return spec
 
 
-def step_collectives(step_name: str, run, mesh) -> collections.Counter:
-    """Collective ops in the compiled text of paxkv.engine's `step_name` as `run()` last called it on `mesh`.
+def step_collectives(run, mesh) -> collections.Counter:
+    """Collective ops in the compiled text of paxkv.engine's engine_step as `run()` last called it on `mesh`.
 
     Args:
-      step_name: "engine_step" or "data_parallel_step".
       run: drives an engine on the mesh.
       mesh: the engine's mesh.
     """
     captured = []
+    step_name = "engine_step"
     step = getattr(engine_module, step_name)
 
     def abstract(x):

@@ -123,13 +123,13 @@ def test_a_step_too_big_for_the_device_is_refused_at_start(tmp_path_factory, mak
         Engine(loaded, config)
     monkeypatch.setattr("paxkv.engine.device_memory", lambda mesh: (2**30, 0))
     engine = Engine(loaded, config)  # room to spare: it starts
-    assert engine.allocator.num_total_pages > 0
+    assert engine.scheduler.num_total_pages > 0
 
 
 @pytest.mark.parametrize("mesh_shape", ["data=2,model=2", "data=1,model=2"])
 def test_the_start_check_compiles_the_engines_own_step_program(tmp_path_factory, make_tiny_llama, mesh_shape):
-    """The largest step compiled ahead of time from a live engine's state (data_parallel_step with its [D, ...]
-    batch when data > 1) holds the pool's shard as a donated, aliased argument."""
+    """The largest step compiled ahead of time from a live engine's state (with D = 2 replicas, or 1) holds the
+    pool's shard as a donated, aliased argument."""
     path = tmp_path_factory.mktemp("tiny_mesh")
     make_tiny_llama(num_key_value_heads=2).save_pretrained(path)
     mesh = make_mesh(mesh_shape)

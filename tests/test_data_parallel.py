@@ -14,10 +14,8 @@ from mesh_cases import EXPECTED_SPECS, spec_of, step_collectives
 import models
 from paxkv import LLM
 from paxkv.config import EngineConfig
-from paxkv.data_parallel import DataParallelScheduler
 from paxkv.engine import Engine
 from paxkv.mesh import make_mesh, parse_mesh_shape
-from paxkv.page_allocator import PageAllocator
 from paxkv.request import Request
 from paxkv.sampling_params import SamplingParams
 from paxkv.scheduler import Scheduler
@@ -60,7 +58,7 @@ def _run(loaded, prompts, *, params=None, **config) -> tuple[Engine, dict[str, l
                 outputs[output.request_id] = [c.token_ids for c in output.outputs]
                 engine.logprobs[output.request_id] = [c.logprobs for c in output.outputs]
         engine.scheduler.check_page_invariants()
-    assert engine.allocator.num_used_pages == engine.metrics.kv_pages_cached_idle  # no page leaked
+    assert engine.scheduler.num_used_pages == engine.metrics.kv_pages_cached_idle  # no page leaked
     return engine, outputs
 
 
@@ -100,7 +98,7 @@ def test_both_replicas_work_within_their_own_partitions(four_kv_heads):
         for sequence in replica_batch.sequences:
             assert sequence.request.replica == replica
             assert all(0 < page < 32 for page in sequence.block_table)  # local to the partition
-    inputs = engine.step_arguments(batch)[0]
+    inputs = engine.step_batch(batch)[0].inputs
     assert inputs.tokens.shape[0] == 2 and inputs.metadata.block_tables.shape[0] == 2  # [D, ...]
 
 
@@ -179,7 +177,7 @@ def test_preemption_swap_and_forks_on_two_replicas(four_kv_heads, monkeypatch):
 
 def _collectives(loaded) -> collections.Counter:
     """Collective ops in the compiled step, as it ran on `loaded`'s mesh."""
-    return step_collectives("data_parallel_step", lambda: _run(loaded, _prompts(2)), loaded.mesh)
+    return step_collectives(lambda: _run(loaded, _prompts(2)), loaded.mesh)
 
 
 def test_nothing_crosses_replicas_in_the_step(four_kv_heads):
@@ -203,14 +201,15 @@ def test_llm_takes_a_data_parallel_mesh_and_budgets_are_per_replica(four_kv_head
         Engine(llm.loaded, EngineConfig(mesh_shape="data=4,model=2", num_pages=32, page_size=8, max_num_seqs=8))
 
 
-def _scheduler(num_replicas: int, pages: int, prefix_caching: bool = False) -> DataParallelScheduler:
-    def make(allocator: PageAllocator, trie) -> Scheduler:
-        return Scheduler(
-            allocator, page_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, prefix_trie=trie
-        )
-
-    return DataParallelScheduler(
-        make, num_replicas=num_replicas, pages_per_replica=pages, page_size=4, enable_prefix_caching=prefix_caching
+def _scheduler(num_replicas: int, pages: int, prefix_caching: bool = False) -> Scheduler:
+    return Scheduler(
+        num_replicas=num_replicas,
+        pages_per_replica=pages,
+        page_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        enable_prefix_caching=prefix_caching,
     )
 
 

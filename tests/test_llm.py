@@ -56,7 +56,7 @@ def test_bad_prompt_fails_the_call_and_leaves_the_engine_clean(llm):
         llm.generate(["x"], [GREEDY, GREEDY], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     # Only the prefix cache still holds pages (earlier prompts' full pages), none of them in use.
-    assert llm.engine.allocator.num_used_pages == llm.engine.prefix_trie.num_idle_pages()
+    assert llm.engine.scheduler.num_used_pages == llm.engine.scheduler.prefix_tries[0].num_idle_pages()
     # "fine" was admitted, then withdrawn with the call: it leaves no trace in the metrics.
     assert llm.engine.metrics.num_requests == requests_before
     assert llm.engine.metrics.num_aborted_requests == aborted_before
@@ -88,7 +88,9 @@ def test_batch_runner_admits_all_or_nothing_unless_skipping(llm):
     with pytest.raises(BadRequestsError, match="line 2: .*max_model_len"):
         run_lines(llm.engine, [good, too_long], skip_bad_lines=False)
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.allocator.num_used_pages == llm.engine.prefix_trie.num_idle_pages()  # only cached pages
+    assert (
+        llm.engine.scheduler.num_used_pages == llm.engine.scheduler.prefix_tries[0].num_idle_pages()
+    )  # only cached pages
     records, _ = run_lines(llm.engine, [good, too_long], skip_bad_lines=True)
     assert records[0]["id"] == "good" and len(records[0]["token_ids"]) == 16
     assert records[1]["id"] == "long" and "max_model_len" in records[1]["error"]

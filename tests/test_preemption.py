@@ -135,7 +135,7 @@ def test_lowest_priority_is_preempted_first(loaded, caplog):
         engine.add_request(
             request_id, prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), priority=priority
         )
-    with caplog.at_level("INFO", logger="paxkv.scheduler"):
+    with caplog.at_level("INFO", logger="paxkv.replica_scheduler"):
         while engine.has_unfinished_requests():
             engine.step()
     victims = [r.getMessage().split("'")[1] for r in caplog.records if "preempted request" in r.getMessage()]

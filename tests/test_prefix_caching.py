@@ -129,11 +129,11 @@ def test_different_salts_share_no_page(loaded):
     prompt = _tokens(rng, 70)
     engine = _engine(loaded, True)
     tokens_a = _run(engine, {"a": prompt}, salts={"a": "tenant-a"})
-    pages_a = set(engine.prefix_trie.cached_pages())
+    pages_a = set(engine.scheduler.prefix_tries[0].cached_pages())
     tokens_b = _run(engine, {"b": prompt}, salts={"b": "tenant-b"})
     assert engine.metrics.prefix_hit_tokens == 0
-    assert not pages_a & (set(engine.prefix_trie.cached_pages()) - pages_a)  # b cached its own copies
-    assert len(engine.prefix_trie.cached_pages()) == 2 * len(pages_a)
+    assert not pages_a & (set(engine.scheduler.prefix_tries[0].cached_pages()) - pages_a)  # b cached its own copies
+    assert len(engine.scheduler.prefix_tries[0].cached_pages()) == 2 * len(pages_a)
     assert tokens_a["a"] == tokens_b["b"]
     _run(engine, {"c": prompt}, salts={"c": "tenant-a"})
     assert engine.metrics.prefix_hit_tokens == 4 * PAGE  # the same tenant shares

@@ -9,9 +9,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from paxkv.page_allocator import PageAllocator
 from paxkv.prefix_trie import PrefixTrie
+from paxkv.replica_scheduler import ReplicaScheduler
 from paxkv.request import Request, RequestStatus
 from paxkv.sampling_params import SamplingParams
-from paxkv.scheduler import ScheduledBatch, Scheduler
+from paxkv.scheduled_batch import ReplicaBatch
 
 PAGE_SIZE = 4
 
@@ -92,7 +93,7 @@ class ContentModel:
     def __init__(self):
         self.kv: dict[int, tuple] = {}
 
-    def step(self, batch: ScheduledBatch) -> dict[str, int]:
+    def step(self, batch: ReplicaBatch) -> dict[str, int]:
         for source, destination in batch.page_copies:
             for offset in range(PAGE_SIZE):
                 if source * PAGE_SIZE + offset in self.kv:
@@ -127,7 +128,7 @@ class SchedulerWithCache(RuleBasedStateMachine):
         # 11 usable pages against requests of up to 6 pages each, n up to 3: preemption and eviction happen.
         self.allocator = PageAllocator(12)
         self.trie = PrefixTrie(self.allocator, PAGE_SIZE)
-        self.scheduler = Scheduler(
+        self.scheduler = ReplicaScheduler(
             self.allocator,
             page_size=PAGE_SIZE,
             max_num_seqs=4,
@@ -216,7 +217,7 @@ def test_samples_outputs_do_not_depend_on_caching():
     def run(with_cache: bool) -> dict[str, list[int]]:
         allocator = PageAllocator(40)
         trie = PrefixTrie(allocator, PAGE_SIZE) if with_cache else None
-        scheduler = Scheduler(
+        scheduler = ReplicaScheduler(
             allocator,
             page_size=PAGE_SIZE,
             max_num_seqs=6,
@@ -247,7 +248,9 @@ def test_samples_outputs_do_not_depend_on_caching():
 @pytest.mark.parametrize("prompt_length", [1, 4, 5, 7])
 def test_fork_copies_the_shared_partial_page_for_every_sample_but_the_last(prompt_length):
     allocator = PageAllocator(32)
-    scheduler = Scheduler(allocator, page_size=PAGE_SIZE, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32)
+    scheduler = ReplicaScheduler(
+        allocator, page_size=PAGE_SIZE, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32
+    )
     parent = Request("p", list(range(1, prompt_length + 1)), SamplingParams(max_tokens=3, ignore_eos=True, n=3))
     scheduler.add_request(parent)
     model, samples, copies = ContentModel(), [parent], []
@@ -273,7 +276,7 @@ def test_a_request_waits_a_step_for_a_prefix_page_being_computed():
     """Two prompts sharing 5 pages arrive together: the second waits for the first's pages instead of duplicating."""
     allocator = PageAllocator(32)
     trie = PrefixTrie(allocator, PAGE_SIZE)
-    scheduler = Scheduler(
+    scheduler = ReplicaScheduler(
         allocator, page_size=PAGE_SIZE, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32, prefix_trie=trie
     )
     first, second = (

@@ -142,7 +142,7 @@ def test_swap_preemption_and_forks_on_the_mesh(eight_kv_heads):
 
 def _collectives(loaded) -> collections.Counter:
     """Collective ops in the compiled step, as it ran on `loaded`'s mesh."""
-    return step_collectives("engine_step", lambda: _greedy(loaded, [[1, 2, 3, 4, 5]]), loaded.mesh)
+    return step_collectives(lambda: _greedy(loaded, [[1, 2, 3, 4, 5]]), loaded.mesh)
 
 
 def test_step_holds_two_all_reduces_per_layer(eight_kv_heads):

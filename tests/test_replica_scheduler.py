@@ -1,4 +1,4 @@
-"""Scheduler: unit tests per behaviour, preemption against isolated runs, and a hypothesis test driving a fake model."""
+"""ReplicaScheduler: unit tests per behaviour, preemption against isolated runs, hypothesis driving a fake model."""
 
 import collections
 import logging
@@ -9,9 +9,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paxkv.page_allocator import PageAllocator
+from paxkv.replica_scheduler import ReplicaScheduler
 from paxkv.request import Request, RequestStatus
 from paxkv.sampling_params import SamplingParams
-from paxkv.scheduler import ScheduledBatch, Scheduler
+from paxkv.scheduled_batch import ReplicaBatch
 
 EOS = 0
 VOCAB_SIZE = 23
@@ -24,7 +25,7 @@ def fake_token(request_id: str, position: int) -> int:
 
 def make_scheduler(num_pages=64, page_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256):
     """A scheduler over a fresh pool, with EOS as its end-of-sequence token."""
-    return Scheduler(
+    return ReplicaScheduler(
         PageAllocator(num_pages),
         page_size=page_size,
         max_num_seqs=max_num_seqs,
@@ -45,7 +46,7 @@ class FakeModel:
     def __init__(self):
         self.kv: dict[int, tuple[str, int, int]] = {}  # slot -> (request_id, position, token_id)
 
-    def step(self, batch: ScheduledBatch, page_size: int) -> dict[str, int]:
+    def step(self, batch: ReplicaBatch, page_size: int) -> dict[str, int]:
         """Runs one batch and returns the sampled token of each sequence that completes its prompt."""
         for sequence in batch.sequences:
             request_id = sequence.request.request_id
@@ -63,7 +64,7 @@ class FakeModel:
         return sampled
 
 
-def check_state(scheduler: Scheduler) -> None:
+def check_state(scheduler: ReplicaScheduler) -> None:
     """Asserts the scheduler's and the allocator's invariants between steps."""
     allocator = scheduler.allocator
     allocator.check_invariants()
@@ -81,7 +82,7 @@ def check_state(scheduler: Scheduler) -> None:
     assert scheduler.num_running <= scheduler.max_num_seqs
 
 
-def check_batch(scheduler: Scheduler, batch: ScheduledBatch) -> None:
+def check_batch(scheduler: ReplicaScheduler, batch: ReplicaBatch) -> None:
     """Asserts a batch respects the budgets and its positions and slots follow the block tables."""
     assert batch.num_batched_tokens == sum(sequence.num_new_tokens for sequence in batch.sequences)
     assert batch.num_batched_tokens <= scheduler.max_num_batched_tokens
@@ -98,7 +99,7 @@ def check_batch(scheduler: Scheduler, batch: ScheduledBatch) -> None:
         assert sequence.completes_prompt == (sequence.kv_len == sequence.request.num_tokens)
 
 
-def run_step(scheduler: Scheduler, model: FakeModel) -> tuple[ScheduledBatch, list[Request]]:
+def run_step(scheduler: ReplicaScheduler, model: FakeModel) -> tuple[ReplicaBatch, list[Request]]:
     """One checked engine step with the fake model."""
     batch = scheduler.schedule()
     check_batch(scheduler, batch)
@@ -335,7 +336,7 @@ def test_preemption_by_recompute_gives_the_outputs_of_isolated_runs(caplog):
     for request in requests:
         scheduler.add_request(request)
     model, victims = FakeModel(), []
-    with caplog.at_level(logging.INFO, logger="paxkv.scheduler"):
+    with caplog.at_level(logging.INFO, logger="paxkv.replica_scheduler"):
         for _ in range(1000):
             if not scheduler.has_unfinished_requests():
                 break
