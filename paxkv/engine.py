@@ -5,6 +5,7 @@ import logging
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import models
@@ -408,8 +409,8 @@ class Engine:
             self.kv_caches = copy_pages(self.kv_caches, *page_copy_arrays(batch.page_copies))
 
     def _run(self, batch: ScheduledBatch) -> SampledTokens:
-        """Run the jitted step on `batch` (the pool is donated and replaced) and return its sampled tokens on the
-        host, one row per sequence of batch.sequences (the replicas' live rows in order)."""
+        """Run the jitted step on `batch` (the pool is donated and replaced) and return its sampled tokens, one row
+        per sequence of batch.sequences (the replicas' live rows in order)."""
         step_batch, with_logprobs = self.step_batch(batch)
         inputs = step_batch.inputs
         num_tokens, num_rows = inputs.tokens.shape[-1], inputs.logits_indices.shape[-1]
@@ -420,13 +421,11 @@ class Engine:
             sampled, self.kv_caches = engine_step(
                 self._graph, self.loaded.state, self.kv_caches, step_batch, with_logprobs
             )
-        # [D, S, ...] -> the live rows, replica by replica.
-        rows = [
-            replica * num_rows + row for replica, b in enumerate(batch.replica_batches) for row in range(b.num_seqs)
-        ]
-        return jax.tree.map(
-            lambda leaf: host_value(leaf).reshape(leaf.shape[0] * leaf.shape[1], *leaf.shape[2:])[rows], sampled
+        # [D, S, ...] -> the live rows, replica by replica (still on the device: the caller fetches what it reads).
+        rows = jnp.asarray(
+            [replica * num_rows + row for replica, b in enumerate(batch.replica_batches) for row in range(b.num_seqs)]
         )
+        return jax.tree.map(lambda leaf: leaf.reshape(leaf.shape[0] * leaf.shape[1], *leaf.shape[2:])[rows], sampled)
 
     def _append_text(self, tracked: SampleState, token_id: int) -> None:
         """Stream the token's text and end the request at the first stop string (which is cut off)."""
