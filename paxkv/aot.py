@@ -2,7 +2,7 @@
 (scripts/aot_compile.py), and at start, to refuse a step that would not fit in device memory.
 
 Everything here feeds engine_step itself, the function Engine runs: the abstract model comes from
-models' own abstract_model and sharding table, the pool from kv_cache.abstract_pool, and the batch
+models' own abstract_model and sharding table, the pool from kv_pool.abstract_pool, and the batch
 arrays from the same host builders Engine uses, so what compiles here is what an engine would run.
 """
 
@@ -20,7 +20,7 @@ import models
 from models.loaded_model import abstract_model
 from models.paged_forward import bucket
 from models.sharding import restore_target, state_shardings
-from paxkv.kv_cache import abstract_pool, kv_bytes_per_page, kv_storage_dtype
+from paxkv.kv_pool import abstract_pool, kv_bytes_per_page, kv_storage_dtype
 from paxkv.mesh import num_scale_groups
 from paxkv.sampler import SamplingArrays
 from paxkv.scheduled_batch import ReplicaBatch

@@ -71,6 +71,23 @@ class EngineMetrics:
         """Prompt and generated tokens through the model per second of busy time, recomputation included."""
         return self.num_computed_tokens / self.busy_seconds if self.busy_seconds > 0 else 0.0
 
+    def observe(self, scheduler) -> None:
+        """Refresh what the scheduler counts: pages requests hold, the prefix caches' pages and hits, preemptions.
+
+        Args:
+          scheduler: the engine's paxkv.scheduler.Scheduler.
+        """
+        self.kv_pages_used = scheduler.num_request_pages
+        # Every allocated page is held by a request, or else only by a prefix cache (idle).
+        self.kv_pages_cached_idle = scheduler.num_used_pages - self.kv_pages_used
+        self.kv_pages_cached = scheduler.num_cached_pages
+        self.prefix_evictions = scheduler.num_evictions
+        self.prefix_query_tokens = scheduler.num_prefix_query_tokens
+        self.prefix_hit_tokens = scheduler.num_prefix_hit_tokens
+        self.num_preemptions = scheduler.num_preemptions
+        self.num_preemptions_recompute = scheduler.num_preemptions_by_kind["recompute"]
+        self.num_preemptions_swap = scheduler.num_preemptions_by_kind["swap"]
+
     def record_step(
         self, start: float, num_tokens: int, kv_pages_used: int, allocated: int, filled: int, peak_kv_pages: int = 0
     ) -> None:

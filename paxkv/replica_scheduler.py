@@ -6,11 +6,12 @@ import logging
 from collections.abc import Iterable, Mapping
 
 from paxkv.page_allocator import PageAllocator
-from paxkv.page_sharing import PageSharing
+from paxkv.page_sharing import PrefixSharing, SampleForks, check_page_invariants
 from paxkv.preemption import PreemptionPolicy
 from paxkv.prefix_trie import PrefixTrie
 from paxkv.request import Request, RequestStatus
-from paxkv.scheduled_batch import ReplicaBatch, ScheduledSequence
+from paxkv.scheduled_batch import ReplicaBatch, ScheduledSequence, StepOutcome
+from paxkv.stopping import stop_after_token
 from paxkv.swap import HostSlotAllocator
 
 logger = logging.getLogger(__name__)
@@ -21,7 +22,7 @@ def _run_order(request: Request) -> tuple[int, int]:
     return request.priority, request.arrival_index
 
 
-class ReplicaScheduler(PageSharing):
+class ReplicaScheduler:
     """FIFO continuous batching over one replica's pages: running requests first, then waiting ones, preempting the
     newest when out of pages. paxkv.scheduler.Scheduler routes requests to one of these per data replica."""
 
@@ -86,7 +87,9 @@ class ReplicaScheduler(PageSharing):
         self.num_prefix_hit_tokens = 0
         self._num_arrivals = 0
         self._unfinished: dict[str, Request] = {}
-        # Sibling samples created by forks since the engine last took them (take_forked).
+        self.prefix_sharing = PrefixSharing(allocator, prefix_trie, page_size)
+        self.forks = SampleForks(allocator, page_size)
+        # Samples forked while the current schedule() or update() runs; returned with its result.
         self._forked: list[Request] = []
         self._page_copies: list[tuple[int, int]] = []
 
@@ -150,7 +153,7 @@ class ReplicaScheduler(PageSharing):
         token_budget = self.max_num_batched_tokens
         sequences: list[ScheduledSequence] = []
         preempted: list[str] = []
-        self._page_copies, self._swap_out, self._swap_in = [], [], []
+        self._page_copies, self._swap_out, self._swap_in, self._forked = [], [], [], []
 
         # Running requests, oldest first: each continues its prefill or decodes one token.
         index = 0
@@ -179,16 +182,16 @@ class ReplicaScheduler(PageSharing):
         # After a preemption the pool is tight: admitting now would only start a request to preempt it again.
         while self.waiting and token_budget > 0 and not preempted:
             request = self.waiting[0]
-            if self._num_seats_taken() + self._num_seats(request) > self.max_num_seqs:
+            if self.forks.seats_taken(self.running) + self.forks.seats(request) > self.max_num_seqs:
                 break
             swapped = bool(request.swapped_slots)
-            num_matched_tokens = 0 if swapped else self._match_prefix(request)
-            if not swapped and self._next_page_in_flight(request):
+            num_matched_tokens = 0 if swapped else self.prefix_sharing.match(request)
+            if not swapped and self.prefix_sharing.next_page_in_flight(request, self.running):
                 # A running request is computing this request's next page right now: wait a step and share it
                 # from the cache instead of computing a duplicate (FIFO: the requests behind wait too).
                 self._free_pages(request)
                 break
-            fork_now = self._fork_ready(request)
+            fork_now = self.forks.ready(request)
             request.fork_pending = request.fork_pending and not fork_now
             num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
             reserve = self.watermark_pages if self.running else 0
@@ -218,36 +221,33 @@ class ReplicaScheduler(PageSharing):
             page_copies=self._page_copies,
             swap_out=self._swap_out,
             swap_in=self._swap_in,
+            forked=self._forked,
         )
 
-    def take_forked(self) -> list[Request]:
-        """The sibling samples created by forks since the last call (the engine starts tracking them)."""
-        forked, self._forked = self._forked, []
-        return forked
-
-    def update(self, batch: ReplicaBatch, sampled_tokens: Mapping[str, int]) -> list[Request]:
+    def update(self, batch: ReplicaBatch, sampled_tokens: Mapping[str, int]) -> StepOutcome:
         """Records a finished step: advances each sequence, appends sampled tokens, finishes and frees requests.
 
-        Stop strings need detokenized text, so the engine checks them and calls finish(request, "stop") itself.
+        Stop strings need detokenized text: the output processor finds them and stop_at_string records them.
 
         Args:
           batch: the batch returned by the last schedule().
           sampled_tokens: request_id to the token sampled after its chunk, for each sequence that completes_prompt.
         Returns:
-          The requests that finished in this step, in batch order.
+          The requests that finished in this step, in batch order, and the samples forked (they run from the next
+          step on).
         """
         # The step has copied the swapped-in pages to the device: their host slots are free again.
         if self._slots_to_free:
             self.swap_slots.free(self._slots_to_free)
             self._slots_to_free = []
-        finished = []
+        finished, self._forked = [], []
         for sequence in batch.sequences:
             request = sequence.request
             if request.status is not RequestStatus.RUNNING:
                 continue  # Aborted (or preempted by a later schedule) since this batch was built.
             request.num_computed_tokens += sequence.num_new_tokens
-            self._cache_full_pages(request)
-            if self._fork_ready(request):
+            self.prefix_sharing.cache_full_pages(request)
+            if self.forks.ready(request):
                 request.fork_pending = False
                 self._fork(request)
             if not sequence.completes_prompt:
@@ -259,11 +259,13 @@ class ReplicaScheduler(PageSharing):
                 )
             token_id = int(sampled_tokens[request.request_id])
             request.output_token_ids.append(token_id)
-            finish_reason = self._check_stop(request, token_id)
+            finish_reason, request.stop_reason = stop_after_token(
+                request, token_id, self.eos_token_ids, self.max_model_len
+            )
             if finish_reason is not None:
                 self.finish(request, finish_reason)
                 finished.append(request)
-        return finished
+        return StepOutcome(finished, self._forked)
 
     def abort(self, request_id: str) -> Request | None:
         """Finishes a waiting or running request with "abort" and frees its pages; unknown or finished ids are ignored.
@@ -300,6 +302,18 @@ class ReplicaScheduler(PageSharing):
         request.finish_reason = finish_reason
         del self._unfinished[request.request_id]
 
+    def stop_at_string(self, request: Request, stop: str) -> None:
+        """Records that a stop string ended the request: finishes it with "stop", or, when its last token already
+        finished it (by length), makes that the reason.
+
+        Args:
+          request: a request of this scheduler whose text now contains `stop`.
+          stop: the stop string found.
+        """
+        if not request.is_finished:
+            self.finish(request, "stop")
+        request.finish_reason, request.stop_reason = "stop", stop
+
     def preempt(self, request: Request) -> None:
         """Takes a running request's pages and requeues it at the front, by recompute or by swap.
 
@@ -314,7 +328,9 @@ class ReplicaScheduler(PageSharing):
         kind = "recompute"
         if self.preemption is not None and self.swap_slots is not None:
             kind = self.preemption.choose(
-                self._tokens_to_recompute(request), len(request.block_table), self.swap_slots.num_free_slots
+                self.prefix_sharing.tokens_to_recompute(request),
+                len(request.block_table),
+                self.swap_slots.num_free_slots,
             )
         num_tokens, num_pages = request.num_computed_tokens, len(request.block_table)
         if kind == "swap":
@@ -350,7 +366,7 @@ class ReplicaScheduler(PageSharing):
         page it writes into) with `reserve` pages to spare, evicting idle cached pages, least recently used
         first, only when the free list alone falls short."""
         num_pages = self._num_new_pages(request, num_new_tokens)
-        num_pages += self._shared_write_page(request) is not None
+        num_pages += self.forks.shared_write_page(request) is not None
         if self.allocator.can_allocate(num_pages + reserve):
             return True
         if self.prefix_trie is not None:
@@ -359,7 +375,7 @@ class ReplicaScheduler(PageSharing):
 
     def _grow(self, request: Request, num_new_tokens: int) -> ScheduledSequence:
         """Allocates the pages for a request's next `num_new_tokens` tokens and describes them as one sequence."""
-        shared = self._shared_write_page(request)
+        shared = self.forks.shared_write_page(request)
         if shared is not None:  # copy on write: the sample takes its own copy of the partial page
             source = request.block_table[shared]
             (copy,) = self.allocator.allocate(1)
@@ -380,23 +396,27 @@ class ReplicaScheduler(PageSharing):
             completes_prompt=start + num_new_tokens == request.num_tokens,
         )
 
-    def _check_stop(self, request: Request, token_id: int) -> str | None:
-        """The finish reason after `token_id` was appended to `request`, or None if it goes on."""
-        params = request.sampling_params
-        num_output_tokens = request.num_output_tokens
-        # The sampler should also mask stop tokens below min_tokens; this check makes min_tokens hold regardless.
-        if num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                return "stop"
-            if token_id in params.stop_token_ids:
-                return "stop"
-        if num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
     def _free_pages(self, request: Request) -> None:
         """Returns a request's pages to the pool and resets its progress through the KV cache."""
         self.allocator.free(request.block_table)
         request.block_table = []
         request.num_computed_tokens = 0
         request.num_cached_pages = 0
+
+    def _fork(self, request: Request) -> None:
+        """Start samples 1..n-1 of a running request (SampleForks.fork); they are returned with this call's result."""
+        for sibling in self.forks.fork(request, self.running):
+            self._unfinished[sibling.request_id] = sibling
+            self._forked.append(sibling)
+
+    def _swap_back_in(self, request: Request) -> None:
+        """Give a swapped-out request fresh pages and schedule its host slots' copy into them."""
+        slots, request.swapped_slots = request.swapped_slots, []
+        pages = self.allocator.allocate(len(slots))
+        self._swap_in += zip(slots, pages, strict=True)
+        self._slots_to_free += slots
+        request.block_table = pages
+
+    def check_page_invariants(self) -> None:
+        """Raises AssertionError unless this replica's page accounting holds (page_sharing.check_page_invariants)."""
+        check_page_invariants(self.allocator, self.running, self.waiting, self.prefix_trie)

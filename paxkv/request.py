@@ -31,6 +31,8 @@ class Request:
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
+    # What stopped it, as vLLM reports it: the stop token of stop_token_ids, or the stop string; None otherwise.
+    stop_reason: int | str | None = None
     block_table: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     # Set by Scheduler.add_request; the scheduler orders and preempts by it, never by arrival_time.

@@ -160,7 +160,7 @@ def _summary(engine, wall_seconds: float, num_failed: int) -> dict:
         "preemptions": metrics.num_preemptions,
         "preemptions_recompute": metrics.num_preemptions_recompute,
         "preemptions_swap": metrics.num_preemptions_swap,
-        "kv_bytes_per_token": engine.kv_bytes_per_token,
+        "kv_bytes_per_token": engine.pool.bytes_per_token,
         "compilations": metrics.num_compilations,
         "prefix_query_tokens": metrics.prefix_query_tokens,
         "prefix_hit_tokens": metrics.prefix_hit_tokens,
@@ -280,8 +280,8 @@ def main(argv):
         print(
             f"# model {loaded.source} ({loaded.config.model_type}, {loaded.config.num_layers} layers), loaded in "
             f"{loaded.load_seconds:.1f} s\n# KV pool: {num_pages} pages of {page_size} tokens = "
-            f"{num_pages * page_size} tokens of {engine.kv_dtype.name}, {engine.kv_bytes_per_token} bytes per "
-            f"token (8-bit scales included), {engine.kv_cache_bytes / 2**20:.0f} MiB",
+            f"{num_pages * page_size} tokens of {engine.pool.dtype.name}, {engine.pool.bytes_per_token} bytes per "
+            f"token (8-bit scales included), {engine.pool.total_bytes / 2**20:.0f} MiB",
             file=sys.stderr,
         )
     stream = FLAGS.output is None and len(lines) == 1 and leader

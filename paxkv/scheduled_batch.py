@@ -41,6 +41,8 @@ class ReplicaBatch:
     # to copy in (resumption), both before the step's own writes.
     swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # Samples forked at admission while building this batch (n > 1); they run from the next step on.
+    forked: list[Request] = dataclasses.field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -87,6 +89,11 @@ class ScheduledBatch:
         return [request_id for batch in self.replica_batches for request_id in batch.preempted_request_ids]
 
     @property
+    def forked(self) -> list[Request]:
+        """Samples forked while building the batch, replica by replica."""
+        return [request for batch in self.replica_batches for request in batch.forked]
+
+    @property
     def page_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write page pairs, as global pages."""
         return self._global(lambda batch: batch.page_copies, (True, True))
@@ -111,3 +118,12 @@ class ScheduledBatch:
                     tuple(value + offset if page else value for value, page in zip(pair, is_page, strict=True))
                 )
         return result
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutcome:
+    """What recording a step's tokens changed: the requests that finished, and the samples forked (n > 1), which
+    run from the next step on."""
+
+    finished: list[Request]
+    forked: list[Request]

@@ -20,7 +20,7 @@ from paxkv.preemption import PreemptionPolicy
 from paxkv.prefix_trie import PrefixTrie
 from paxkv.replica_scheduler import ReplicaScheduler
 from paxkv.request import Request
-from paxkv.scheduled_batch import ScheduledBatch
+from paxkv.scheduled_batch import ScheduledBatch, StepOutcome
 from paxkv.swap import HostSlotAllocator
 
 
@@ -29,10 +29,10 @@ class SchedulerInterface(Protocol):
 
     def add_request(self, request: Request) -> None: ...
     def schedule(self) -> ScheduledBatch: ...
-    def update(self, batch: ScheduledBatch, sampled_tokens: Mapping[str, int]) -> list[Request]: ...
-    def take_forked(self) -> list[Request]: ...
+    def update(self, batch: ScheduledBatch, sampled_tokens: Mapping[str, int]) -> StepOutcome: ...
     def abort(self, request_id: str) -> Request | None: ...
     def finish(self, request: Request, finish_reason: str) -> None: ...
+    def stop_at_string(self, request: Request, stop: str) -> None: ...
     def has_unfinished_requests(self) -> bool: ...
 
 
@@ -143,6 +143,18 @@ class Scheduler:
         return sum(allocator.num_used_pages for allocator in self.allocators)
 
     @property
+    def num_request_pages(self) -> int:
+        """Distinct pages running requests hold (a shared prefix page counts once)."""
+        return len({(request.replica, page) for request in self.running for page in request.block_table})
+
+    @property
+    def kv_slots(self) -> tuple[int, int]:
+        """(token slots in the running requests' pages, slots of them holding a computed token)."""
+        running = self.running
+        allocated = sum(len(request.block_table) for request in running) * self.page_size
+        return allocated, sum(request.num_computed_tokens for request in running)
+
+    @property
     def num_cached_pages(self) -> int:
         """Pages the prefix caches hold."""
         return sum(trie.num_cached_pages for trie in self.prefix_tries if trie is not None)
@@ -191,32 +203,33 @@ class Scheduler:
         )
 
     def schedule(self) -> ScheduledBatch:
-        """Every replica plans its share of the step."""
-        return ScheduledBatch([replica.schedule() for replica in self.replicas], self.pages_per_replica)
+        """Every replica plans its share of the step (samples forked at admission come back in batch.forked)."""
+        batch = ScheduledBatch([replica.schedule() for replica in self.replicas], self.pages_per_replica)
+        self._track(batch.forked)
+        return batch
 
-    def take_forked(self) -> list[Request]:
-        """Sibling samples forked since the last call, on every replica (they stay on their parent's)."""
-        forked = []
-        for index, replica in enumerate(self.replicas):
-            for request in replica.take_forked():
-                request.replica = index
-                self._replica_of[request.request_id] = index
-                forked.append(request)
-        return forked
-
-    def update(self, batch: ScheduledBatch, sampled_tokens: Mapping[str, int]) -> list[Request]:
-        """Records a finished step on every replica; returns the requests that finished, replica by replica.
+    def update(self, batch: ScheduledBatch, sampled_tokens: Mapping[str, int]) -> StepOutcome:
+        """Records a finished step on every replica: the requests that finished and the samples forked, replica by
+        replica.
 
         Args:
           batch: the batch schedule() returned last.
           sampled_tokens: request_id -> sampled token, as ReplicaScheduler.update.
         """
-        finished = []
+        finished, forked = [], []
         for replica, replica_batch in zip(self.replicas, batch.replica_batches, strict=True):
-            finished += replica.update(replica_batch, sampled_tokens)
+            outcome = replica.update(replica_batch, sampled_tokens)
+            finished += outcome.finished
+            forked += outcome.forked
         for request in finished:
             self._replica_of.pop(request.request_id, None)
-        return finished
+        self._track(forked)
+        return StepOutcome(finished, forked)
+
+    def _track(self, forked: list[Request]) -> None:
+        """Samples stay on their parent's replica."""
+        for request in forked:
+            self._replica_of[request.request_id] = request.replica
 
     def abort(self, request_id: str) -> Request | None:
         """Aborts a request on its replica (None if it is unknown or finished).
@@ -231,6 +244,11 @@ class Scheduler:
         """Finishes a request on its replica (see ReplicaScheduler.finish)."""
         self._replica_of.pop(request.request_id, None)
         self.replicas[request.replica].finish(request, finish_reason)
+
+    def stop_at_string(self, request: Request, stop: str) -> None:
+        """Records that a stop string ended a request, on its replica (see ReplicaScheduler.stop_at_string)."""
+        self._replica_of.pop(request.request_id, None)
+        self.replicas[request.replica].stop_at_string(request, stop)
 
     def check_page_invariants(self) -> None:
         """Checks every replica's page accounting (see PageSharing.check_page_invariants)."""

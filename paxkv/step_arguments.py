@@ -9,6 +9,7 @@ from paxkv.sampler import SamplingArrays
 from paxkv.scheduled_batch import ReplicaBatch, ScheduledBatch
 from paxkv.step import StepBatch
 from paxkv.step_inputs import StepInputs, padded_batch_sizes
+from paxkv.stopping import holds_back_stops, stop_token_ids
 
 
 def build_step_batch(
@@ -66,7 +67,7 @@ def vocab_arrays_needed(batch: ReplicaBatch) -> tuple[bool, bool]:
     rows = batch.sequences
     params = [s.request.sampling_params for s in rows]
     penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params)
-    suppress = any(s.request.num_output_tokens < s.request.sampling_params.min_tokens for s in rows)
+    suppress = any(holds_back_stops(s.request) for s in rows)
     return penalties, suppress
 
 
@@ -95,8 +96,6 @@ def vocab_arrays(
     if needs_any_suppress:
         suppress = np.zeros((num_rows, vocab_size), bool)  # bool[S, vocab]
         for row, sequence in enumerate(rows):
-            params = sequence.request.sampling_params
-            if sequence.request.num_output_tokens < params.min_tokens:
-                stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else eos_token_ids)
-                suppress[row, stop_ids] = True
+            if holds_back_stops(sequence.request):
+                suppress[row, stop_token_ids(sequence.request, eos_token_ids)] = True
     return token_counts, prompt_mask, suppress

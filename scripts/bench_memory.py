@@ -170,7 +170,7 @@ def pressure(loaded) -> dict:
 
     import memory_pressure as mp
 
-    from paxkv.kv_cache import QUANTIZED_NAMES, kv_bytes_per_token
+    from paxkv.kv_pool import QUANTIZED_NAMES, kv_bytes_per_token
 
     config = loaded.config
     per_token = {

@@ -137,7 +137,7 @@ def teacher_forced_logits(loaded, windows: list[list[int]], kv_cache_dtype: str)
     """Logits at every position of the windows, prefilled together through a pool of `kv_cache_dtype`."""
     from models.paged_forward import forward_over_pages
     from pallas_kernels import AttentionMetadata
-    from paxkv.kv_cache import allocate_pool, kv_storage_dtype
+    from paxkv.kv_pool import allocate_pool, kv_storage_dtype
 
     length = len(windows[0])
     pages_per_window = -(-length // PAGE_SIZE)

@@ -100,13 +100,13 @@ class _PaxkvRunner:
         from paxkv import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-        preemptions = self.llm.engine.num_preemptions
+        preemptions = self.llm.engine.metrics.num_preemptions
         start = time.perf_counter()
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         wall_s = time.perf_counter() - start
         ttft_s = _mean_or_none(getattr(o.metrics, "time_to_first_token", None) for o in outputs)
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
-        return wall_s, ttft_s, tokens, {"preemptions": self.llm.engine.num_preemptions - preemptions}
+        return wall_s, ttft_s, tokens, {"preemptions": self.llm.engine.metrics.num_preemptions - preemptions}
 
 
 class _TransformersRunner:

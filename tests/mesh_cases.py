@@ -6,7 +6,7 @@ import re
 import jax
 from jax.sharding import PartitionSpec as P
 
-import paxkv.engine as engine_module
+import paxkv.model_runner as model_runner
 
 # Written out here, independently of models/sharding.py: where each parameter's axes go under tensor
 # parallelism (q/k/v/gate/up by output columns, o/down by input rows, embedding and lm_head by vocab);
@@ -33,7 +33,7 @@ def spec_of(array_or_spec) -> tuple:
 
 
 def step_collectives(run, mesh) -> collections.Counter:
-    """Collective ops in the compiled text of paxkv.engine's engine_step as `run()` last called it on `mesh`.
+    """Collective ops in the compiled text of engine_step as the model runner last called it in `run()` on `mesh`.
 
     Args:
       run: drives an engine on the mesh.
@@ -41,7 +41,7 @@ def step_collectives(run, mesh) -> collections.Counter:
     """
     captured = []
     step_name = "engine_step"
-    step = getattr(engine_module, step_name)
+    step = getattr(model_runner, step_name)
 
     def abstract(x):
         return (
@@ -52,11 +52,11 @@ def step_collectives(run, mesh) -> collections.Counter:
         captured.append((graph, jax.tree.map(abstract, args)))
         return step(graph, *args)
 
-    setattr(engine_module, step_name, spy)
+    setattr(model_runner, step_name, spy)
     try:
         run()
     finally:
-        setattr(engine_module, step_name, step)
+        setattr(model_runner, step_name, step)
     graph, args = captured[-1]
     with jax.set_mesh(mesh):
         text = step.lower(graph, *args).compile().as_text()

@@ -118,10 +118,10 @@ def test_a_step_too_big_for_the_device_is_refused_at_start(tmp_path_factory, mak
     make_tiny_llama().save_pretrained(path)
     loaded = models.load(path, require_tokenizer=False)
     config = EngineConfig(num_pages=16, page_size=8, max_num_seqs=4, max_num_batched_tokens=64)
-    monkeypatch.setattr("paxkv.engine.device_memory", lambda mesh: (2**30, 2**30 - 1000))
+    monkeypatch.setattr("paxkv.model_runner.device_memory", lambda mesh: (2**30, 2**30 - 1000))
     with pytest.raises(ValueError, match=r"largest step \(T=64 tokens, S=4 rows.*lower kv_cache_memory_bytes"):
         Engine(loaded, config)
-    monkeypatch.setattr("paxkv.engine.device_memory", lambda mesh: (2**30, 0))
+    monkeypatch.setattr("paxkv.model_runner.device_memory", lambda mesh: (2**30, 0))
     engine = Engine(loaded, config)  # room to spare: it starts
     assert engine.scheduler.num_total_pages > 0
 
@@ -136,7 +136,7 @@ def test_the_start_check_compiles_the_engines_own_step_program(tmp_path_factory,
     loaded = models.load(path, mesh=mesh, require_tokenizer=False)
     engine = Engine(loaded, EngineConfig(num_pages=32, page_size=8, max_num_seqs=4, max_num_batched_tokens=32))
     state = AbstractEngine(
-        loaded.graphdef, loaded.state, engine.kv_caches, 8, engine.pages_per_seq, loaded.config.vocab_size, mesh
+        loaded.graphdef, loaded.state, engine.kv_caches, 8, engine.runner.pages_per_seq, loaded.config.vocab_size, mesh
     )
     program = compile_step(state, 32, 4, with_logprobs=True, vocab_arrays=True)
     pool_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(engine.kv_caches)) // mesh.size

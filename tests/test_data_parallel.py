@@ -98,7 +98,7 @@ def test_both_replicas_work_within_their_own_partitions(four_kv_heads):
         for sequence in replica_batch.sequences:
             assert sequence.request.replica == replica
             assert all(0 < page < 32 for page in sequence.block_table)  # local to the partition
-    inputs = engine.step_batch(batch)[0].inputs
+    inputs = engine.runner.step_batch(batch, lambda request_id: 0)[0].inputs
     assert inputs.tokens.shape[0] == 2 and inputs.metadata.block_tables.shape[0] == 2  # [D, ...]
 
 
@@ -236,8 +236,7 @@ def test_page_moves_are_reported_in_global_pages():
     scheduler.add_request(Request("b", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=2, n=2, temperature=1.0)))
     assert [r.replica for r in scheduler.waiting] == [0, 1]
     batch = scheduler.schedule()  # b computes its prompt but the last token (a page and a bit), then forks
-    scheduler.update(batch, {"a": 7})
-    scheduler.take_forked()
+    assert [r.request_id for r in scheduler.update(batch, {"a": 7}).forked] == ["b#1"]
     batch = scheduler.schedule()
     # b's siblings share b's partial page 2 on replica 1: the copy is in global pages (replica 1 = 8..15).
     assert batch.page_copies and all(8 <= page < 16 for pair in batch.page_copies for page in pair)

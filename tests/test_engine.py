@@ -86,7 +86,7 @@ def test_out_of_pages_preempts_and_still_matches(tiny):
     # so the pool is the smallest that can hold it: 22 pages, about 23% of demand.
     tight_config = EngineConfig(num_pages=max(22, demand // 5), max_num_seqs=8, max_num_batched_tokens=256)
     tight, engine = _run(loaded, prompts, tight_config)
-    assert engine.num_preemptions > 0
+    assert engine.metrics.num_preemptions > 0
     assert tight == roomy
 
 

@@ -125,8 +125,8 @@ def test_compilations_stay_within_the_buckets_over_100_mixed_requests(tiny):
                 finished[output.request_id] = output
     assert len(finished) == 100
     new_programs = engine.num_compilations - before
-    assert new_programs <= len(engine.step_shapes) <= engine.max_step_programs
-    assert engine.metrics.num_steps > 3 * len(engine.step_shapes)  # most steps reuse a compiled program
+    assert new_programs <= len(engine.runner.step_shapes) <= engine.max_step_programs
+    assert engine.metrics.num_steps > 3 * len(engine.runner.step_shapes)  # most steps reuse a compiled program
 
 
 def test_a_pool_without_one_page_per_sequence_is_refused(tiny):

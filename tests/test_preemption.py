@@ -103,7 +103,7 @@ def test_preempted_requests_give_the_unpreempted_tokens(loaded, mode):
     other = "swap" if mode == "recompute" else "recompute"
     assert getattr(tight.metrics, f"num_preemptions_{mode}") > 0
     assert getattr(tight.metrics, f"num_preemptions_{other}") == 0
-    assert tight.swap_space is None or tight.swap_space.slots.num_free_slots == tight.swap_space.slots.num_slots
+    assert tight.pool.swap_space is None or tight.pool.swap_space.slots.num_free_slots == tight.pool.swap_space.slots.num_slots
 
 
 def test_auto_swaps_unique_requests_and_recomputes_cached_ones(loaded):
@@ -184,8 +184,8 @@ def test_overload_soak(loaded):
     metrics = engine.metrics
     assert metrics.num_preemptions > 0 and len(aborted) >= 15
     assert metrics.kv_pages_used == 0 and metrics.kv_pages_free + metrics.kv_pages_cached_idle == demand // 4 - 1
-    if engine.swap_space is not None:
-        assert engine.swap_space.slots.num_free_slots == engine.swap_space.slots.num_slots
+    if engine.pool.swap_space is not None:
+        assert engine.pool.swap_space.slots.num_free_slots == engine.pool.swap_space.slots.num_slots
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
@@ -211,7 +211,7 @@ def test_8_bit_pool_runs_on_the_xla_and_interpreted_paths(tmp_path_factory, make
     assert isinstance(engine.kv_caches[0], QuantizedKVPages)
     # 2 layers x (2 KV heads x K and V x 16 one-byte values + a page's row of scale words, 2 heads x 8
     # tokens padded to 128 four-byte lanes, over its 8 tokens).
-    assert engine.kv_bytes_per_token == 2 * (2 * 2 * 16 + 128 * 4 // 8)
+    assert engine.pool.bytes_per_token == 2 * (2 * 2 * 16 + 128 * 4 // 8)
     _, interpreted = run("interpret", kv_cache_dtype)
     assert {k: o.token_ids for k, o in xla.items()} == {k: o.token_ids for k, o in interpreted.items()}
     # Against an f32 pool: the first token (the prompt's own logits, the same inputs) and its log-probability

@@ -165,11 +165,9 @@ class SchedulerWithCache(RuleBasedStateMachine):
             if not self.scheduler.has_unfinished_requests():
                 break
             batch = self.scheduler.schedule()
-            for request in self.scheduler.take_forked():
-                self.requests[request.request_id] = request
             assert not batch.is_empty  # progress: nothing deadlocks
-            self.scheduler.update(batch, self.model.step(batch))
-            for request in self.scheduler.take_forked():
+            outcome = self.scheduler.update(batch, self.model.step(batch))
+            for request in batch.forked + outcome.forked:
                 self.requests[request.request_id] = request
             self.scheduler.check_page_invariants()
 
@@ -233,9 +231,7 @@ def test_samples_outputs_do_not_depend_on_caching():
             requests.append(request)
         while scheduler.has_unfinished_requests():
             batch = scheduler.schedule()
-            requests += scheduler.take_forked()
-            scheduler.update(batch, model.step(batch))
-            requests += scheduler.take_forked()
+            requests += batch.forked + scheduler.update(batch, model.step(batch)).forked
             scheduler.check_page_invariants()
         if with_cache:
             assert scheduler.num_prefix_hit_tokens > 0
@@ -256,10 +252,8 @@ def test_fork_copies_the_shared_partial_page_for_every_sample_but_the_last(promp
     model, samples, copies = ContentModel(), [parent], []
     while scheduler.has_unfinished_requests():
         batch = scheduler.schedule()
-        samples += scheduler.take_forked()
         copies += batch.page_copies
-        scheduler.update(batch, model.step(batch))
-        samples += scheduler.take_forked()
+        samples += batch.forked + scheduler.update(batch, model.step(batch)).forked
         scheduler.check_page_invariants()
         tables = [r.block_table for r in samples if not r.is_finished and r.num_computed_tokens >= prompt_length]
         last_pages = [table[(prompt_length - 1) // PAGE_SIZE] for table in tables]

@@ -65,12 +65,8 @@ class FakeModel:
 
 
 def check_state(scheduler: ReplicaScheduler) -> None:
-    """Asserts the scheduler's and the allocator's invariants between steps."""
-    allocator = scheduler.allocator
-    allocator.check_invariants()
-    holders = collections.Counter(page for request in scheduler.running for page in request.block_table)
-    for page in range(allocator.num_pages):
-        assert allocator.ref_count(page) == holders[page], f"page {page}"
+    """Asserts the scheduler's invariants between steps: its page accounting, and each request's state."""
+    scheduler.check_page_invariants()
     for request in scheduler.waiting:
         assert request.status is RequestStatus.WAITING and not request.block_table
         assert request.num_computed_tokens == 0
@@ -103,7 +99,7 @@ def run_step(scheduler: ReplicaScheduler, model: FakeModel) -> tuple[ReplicaBatc
     """One checked engine step with the fake model."""
     batch = scheduler.schedule()
     check_batch(scheduler, batch)
-    finished = scheduler.update(batch, model.step(batch, scheduler.page_size))
+    finished = scheduler.update(batch, model.step(batch, scheduler.page_size)).finished
     check_state(scheduler)
     return batch, finished
 
@@ -259,7 +255,7 @@ def test_stops_on_eos_and_keeps_it():
     request = make_request("a", 3, max_tokens=10)
     scheduler.add_request(request)
     scheduler.update(scheduler.schedule(), {"a": 5})
-    finished = scheduler.update(scheduler.schedule(), {"a": EOS})
+    finished = scheduler.update(scheduler.schedule(), {"a": EOS}).finished
     assert finished == [request]
     assert request.finish_reason == "stop" and request.output_token_ids == [5, EOS]
     assert request.status is RequestStatus.FINISHED and not request.block_table
@@ -273,7 +269,7 @@ def test_ignore_eos_runs_to_length():
     scheduler.add_request(request)
     finished = []
     while not finished:
-        finished = scheduler.update(scheduler.schedule(), {"a": EOS})
+        finished = scheduler.update(scheduler.schedule(), {"a": EOS}).finished
     assert request.output_token_ids == [EOS] * 3 and request.finish_reason == "length"
 
 
@@ -311,7 +307,7 @@ def test_abort_a_running_and_a_waiting_request_frees_pages():
     assert scheduler.abort("run") is running and scheduler.abort("wait") is waiting
     assert (running.finish_reason, waiting.finish_reason) == ("abort", "abort")
     assert scheduler.abort("run") is None and scheduler.abort("unknown") is None
-    assert scheduler.update(batch, {}) == []  # a batch built before the abort is ignored for aborted requests
+    assert scheduler.update(batch, {}).finished == []  # a batch built before the abort is ignored for aborted requests
     assert scheduler.allocator.num_free_pages == scheduler.allocator.num_total_pages
     assert not scheduler.has_unfinished_requests()
     check_state(scheduler)

@@ -1,0 +1,143 @@
+"""ModelRunner: one scheduled batch to one device step: the page moves before it, its StepBatch, the jitted step."""
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+import models
+from models.paged_forward import bucket
+from paxkv.aot import AbstractEngine, check_step_fits, compile_step, device_memory
+from paxkv.config import EngineConfig
+from paxkv.kv_pool import KVPool
+from paxkv.preemption import PreemptionPolicy
+from paxkv.scheduled_batch import ScheduledBatch
+from paxkv.step import SampledTokens, StepBatch, copy_pages, engine_step, page_copy_arrays, static_graph
+from paxkv.step_arguments import build_step_batch
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Runs an engine's steps on its devices: moves pages (swap out and in, copy-on-write), lays the batch out as
+    padded arrays, and calls engine_step over the pool, which it donates and replaces."""
+
+    def __init__(
+        self,
+        loaded: models.LoadedModel,
+        pool: KVPool,
+        preemption: PreemptionPolicy,
+        config: EngineConfig,
+        *,
+        max_model_len: int,
+        mesh,
+    ):
+        """Args:
+        loaded: the model.
+        pool: its page pool (the runner replaces pool.kv_caches after every step).
+        preemption: the policy whose prefill and transfer rates the runner measures.
+        config: the engine's budgets.
+        max_model_len: the context, which sets the block-table width.
+        mesh: the engine's mesh, or None for one device.
+        """
+        self.loaded, self.pool, self.preemption, self.config, self.mesh = loaded, pool, preemption, config, mesh
+        self.pages_per_seq = -(-max_model_len // config.page_size)
+        self._graph = static_graph(loaded.graphdef)
+        # (T bucket, S bucket, penalties?, suppress?, logprobs?): each distinct one is one step program.
+        self.step_shapes: set[tuple[int, int, bool, bool, bool]] = set()
+        self.num_pages_swapped = 0
+
+    def step_batch(self, batch: ScheduledBatch, seed_of: Callable[[str], int]) -> tuple[StepBatch, bool]:
+        """The step's batch argument (every leaf [D, ...]) and logprobs flag for `batch` (paxkv.step_arguments).
+
+        Args:
+          batch: a batch the scheduler returned.
+          seed_of: request id -> the seed of that sample.
+        """
+        return build_step_batch(
+            batch,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_seqs=self.config.max_num_seqs,
+            pages_per_seq=self.pages_per_seq,
+            seed_of=seed_of,
+            vocab_size=self.loaded.config.vocab_size,
+            eos_token_ids=list(self.loaded.generation_config.eos_token_ids),
+        )
+
+    def run(self, batch: ScheduledBatch, seed_of: Callable[[str], int]) -> SampledTokens:
+        """Move the batch's pages, run the step, and return its sampled tokens (on the device), one row per sequence
+        of batch.sequences (the replicas' live rows in order).
+
+        Args:
+          batch: a batch the scheduler returned.
+          seed_of: request id -> the seed of that sample.
+        """
+        self._move_pages(batch)
+        start = time.monotonic()
+        step_batch, with_logprobs = self.step_batch(batch, seed_of)
+        inputs = step_batch.inputs
+        num_tokens, num_rows = inputs.tokens.shape[-1], inputs.logits_indices.shape[-1]
+        shape = (num_tokens, num_rows, step_batch.token_counts is not None, step_batch.suppress is not None)
+        self.step_shapes.add((*shape, with_logprobs))
+        # Under the mesh, a Pallas kernel runs per model shard (models.sharding.attention_on_mesh).
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            sampled, self.pool.kv_caches = engine_step(
+                self._graph, self.loaded.state, self.pool.kv_caches, step_batch, with_logprobs
+            )
+        if batch.num_batched_tokens >= self.config.max_num_batched_tokens // 2:  # mostly prefill: a rate to plan by
+            jax.block_until_ready(sampled.tokens)
+            self.preemption.observe_prefill(batch.num_batched_tokens, time.monotonic() - start)
+        # [D, S, ...] -> the live rows, replica by replica (still on the device: the caller fetches what it reads).
+        rows = jnp.asarray(
+            [replica * num_rows + row for replica, b in enumerate(batch.replica_batches) for row in range(b.num_seqs)]
+        )
+        return jax.tree.map(lambda leaf: leaf.reshape(leaf.shape[0] * leaf.shape[1], *leaf.shape[2:])[rows], sampled)
+
+    def _move_pages(self, batch: ScheduledBatch) -> None:
+        """Before the step: pages out to the host (preemption by swap), back in (resumption), copies on write."""
+        swap_space = self.pool.swap_space
+        for moves, direction in ((batch.swap_out, "out"), (batch.swap_in, "in")):
+            if not moves:
+                continue
+            moved, seconds = swap_space.bytes_moved, swap_space.seconds_moving
+            first, second = (list(column) for column in zip(*moves, strict=True))
+            if direction == "out":
+                swap_space.swap_out(self.pool.kv_caches, first, second)
+            else:
+                self.pool.kv_caches = swap_space.swap_in(self.pool.kv_caches, first, second)
+            self.preemption.observe_transfer(swap_space.bytes_moved - moved, swap_space.seconds_moving - seconds)
+            self.num_pages_swapped += len(moves)
+        if batch.page_copies:
+            self.pool.kv_caches = copy_pages(self.pool.kv_caches, *page_copy_arrays(batch.page_copies))
+
+    def check_largest_step_fits(self) -> None:
+        """Where the device reports a memory limit (TPU, GPU), compile the largest step now and refuse to start when
+        it cannot fit beside the weights and the pool, rather than fail at the first large batch."""
+        memory = device_memory(self.mesh)
+        if memory is None:
+            return  # CPU: no limit to check against
+        config, loaded = self.config, self.loaded
+        state = AbstractEngine(
+            loaded.graphdef,
+            loaded.state,
+            self.pool.kv_caches,
+            config.page_size,
+            self.pages_per_seq,
+            loaded.config.vocab_size,
+            self.mesh,
+        )
+        num_tokens, num_seqs = bucket(config.max_num_batched_tokens), bucket(config.max_num_seqs)
+        program = compile_step(state, num_tokens, num_seqs, with_logprobs=True, vocab_arrays=True)
+        budgets = f"max_num_batched_tokens={config.max_num_batched_tokens}, max_num_seqs={config.max_num_seqs}"
+        check_step_fits(program, *memory, what=budgets)
+        logger.info(
+            "the largest step (T=%d, S=%d) needs %.2f GiB beside its arguments; %.2f GiB of %.2f GiB are free",
+            num_tokens,
+            num_seqs,
+            program.memory.beyond_arguments_bytes / 2**30,
+            (memory[0] - memory[1]) / 2**30,
+            memory[0] / 2**30,
+        )

@@ -1,0 +1,64 @@
+"""When a request stops: the rules, in one place.
+
+A request stops after an end-of-sequence or stop token (once it has min_tokens outputs), at max_tokens or
+max_model_len, or when its text contains a stop string. The scheduler alone records the decision (a
+request's finish_reason and stop_reason); the step holds stop tokens back while min_tokens is not reached,
+and the output processor finds stop strings in the text it detokenizes. All of them ask these functions.
+"""
+
+from collections.abc import Collection, Iterable
+
+from paxkv.request import Request
+
+
+def holds_back_stops(request: Request) -> bool:
+    """Whether the request's next token may not be a stop token: it has fewer than min_tokens outputs."""
+    return request.num_output_tokens < request.sampling_params.min_tokens
+
+
+def stop_token_ids(request: Request, eos_token_ids: Iterable[int]) -> list[int]:
+    """The tokens that end the request: its stop_token_ids, and EOS unless it ignores it."""
+    params = request.sampling_params
+    return list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+
+
+def stop_after_token(
+    request: Request, token_id: int, eos_token_ids: Collection[int], max_model_len: int
+) -> tuple[str | None, int | None]:
+    """(finish reason, stop reason) once `token_id` has been appended to `request`; (None, None) if it goes on.
+
+    The stop reason is the stop token when one of the request's stop_token_ids ended it (None for EOS and length),
+    as vLLM reports it.
+
+    Args:
+      request: the request, its new token already appended.
+      token_id: that token.
+      eos_token_ids: the model's end-of-sequence tokens.
+      max_model_len: the most tokens a request may reach.
+    """
+    params = request.sampling_params
+    # The step holds stop tokens back while fewer than min_tokens outputs preceded this one (holds_back_stops);
+    # this makes min_tokens hold regardless.
+    if request.num_output_tokens >= params.min_tokens:
+        if token_id in params.stop_token_ids:
+            return "stop", token_id
+        if not params.ignore_eos and token_id in eos_token_ids:
+            return "stop", None
+    if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
+        return "length", None
+    return None, None
+
+
+def ended_by_stop_token(request: Request, token_id: int, eos_token_ids: Collection[int]) -> bool:
+    """Whether `token_id`, the request's last, is what stopped it (so it is left out of the text)."""
+    params = request.sampling_params
+    return request.finish_reason == "stop" and (token_id in params.stop_token_ids or token_id in eos_token_ids)
+
+
+def find_stop_string(text: str, stops: Iterable[str]) -> tuple[int, str] | None:
+    """(index, stop) of the first of `stops` found in `text`, in the order given; None if none is there."""
+    for stop in stops:
+        index = text.find(stop)
+        if index >= 0:
+            return index, stop
+    return None
