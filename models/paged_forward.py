@@ -9,7 +9,7 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
-from pallas_kernels import AttentionMetadata, QuantizedKVPages, allocate_pages
+from pallas_kernels import AttentionMetadata, QuantizedKVPages, allocate_pages, pages_for
 
 
 def allocate_kv_caches(
@@ -52,9 +52,26 @@ def forward_over_pages(
       metadata: slots, block tables and lengths of the ragged batch.
       logits_indices: which rows' logits to compute.
     """
-    model = nnx.merge(graphdef, state)
+    return logits_over_pages(nnx.merge(graphdef, state), tokens, positions, kv_caches, metadata, logits_indices)
+
+
+def logits_over_pages(
+    model,
+    tokens: jax.Array,  # i32[T]
+    positions: jax.Array,  # i32[T]
+    kv_caches: list,
+    metadata: AttentionMetadata,
+    logits_indices: jax.Array,  # i32[R]
+) -> tuple[jax.Array, list]:  # (f32[R, vocab], kv_caches)
+    """Run a ragged batch through `model` (writing its K/V into the pages) and return the logits of chosen rows.
+
+    Args:
+      model: a merged Llama.
+      tokens, positions, kv_caches, metadata: as forward_over_pages.
+      logits_indices: which rows' logits to compute.
+    """
     hidden, kv_caches = model(tokens, positions, kv_caches, metadata)
-    return model.logits(hidden[logits_indices]), kv_caches
+    return model.logits(hidden[logits_indices]).astype(jnp.float32), kv_caches
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -97,7 +114,7 @@ class PagedSequence:
         """
         if max_tokens < 1:
             raise ValueError(f"max_tokens={max_tokens}; a sequence must hold at least one token")
-        num_needed = -(-max_tokens // page_size)
+        num_needed = pages_for(max_tokens, page_size)
         if block_table is None:
             block_table = list(range(1, num_needed + 1))
         if len(block_table) < num_needed:

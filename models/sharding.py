@@ -7,7 +7,7 @@ import jax
 from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pallas_kernels import paged_attention, pool_partition_spec, resolve_attention_impl
+from pallas_kernels import heads_split, paged_attention, pool_partition_spec
 
 # Logical axis -> mesh axis. Tensor parallelism splits heads, MLP width and vocab over "model".
 DEFAULT_SHARDING_RULES: dict[str, str | None] = {
@@ -107,17 +107,18 @@ def attention_on_mesh(q, k, v, kv_pages, metadata, *, attention_impl: str, **opt
 
     Args:
       q, k, v, kv_pages, metadata: as pallas_kernels.paged_attention.
-      attention_impl: the implementation name; options: sm_scale, sliding_window, soft_cap.
+      attention_impl: a resolved implementation name (models.load resolves it once); options: sm_scale,
+        sliding_window, soft_cap.
     """
     call = functools.partial(paged_attention, attention_impl=attention_impl, **options)
     mesh = jax.sharding.get_abstract_mesh()
     # Mosaic and Triton calls must see no automatic axis at all, even one of size 1: every axis not already
     # manual (inside a data-parallel step "data" is) goes manual here.
     automatic = [name for name in mesh.axis_names if name not in mesh.manual_axes]
-    if resolve_attention_impl(attention_impl) == "xla" or mesh.empty or not automatic:
+    if attention_impl == "xla" or mesh.empty or not automatic:
         return call(q, k, v, kv_pages, metadata)
     num_kv_heads = k.shape[1]
-    heads = "model" if "model" in automatic and num_kv_heads % mesh.shape["model"] == 0 else None
+    heads = "model" if "model" in automatic and heads_split(num_kv_heads, mesh.shape["model"]) else None
     per_token = PartitionSpec(None, heads, None)  # [T, heads, D]
     pages = pool_partition_spec(kv_pages, page_axis=None, head_axis=heads)
     metadata_spec = jax.tree.map(lambda _: PartitionSpec(), metadata)

@@ -2,9 +2,11 @@
 
 from pallas_kernels.kv_pages import (
     allocate_pages,
+    heads_split,
     num_kv_heads_of,
     page_bytes,
     page_view,
+    pages_for,
     pool_partition_spec,
     write_kv,
 )
@@ -34,10 +36,12 @@ __all__ = [
     "RESOLVED_IMPLS",
     "allocate_pages",
     "empty_quantized_pages",
+    "heads_split",
     "is_quantized",
     "num_kv_heads_of",
     "page_bytes",
     "page_view",
+    "pages_for",
     "pool_partition_spec",
     "paged_attention",
     "paged_attention_gpu",

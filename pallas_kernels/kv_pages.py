@@ -30,6 +30,17 @@ from pallas_kernels.quantization import (
 )
 
 
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages that hold `num_tokens` tokens (ceil(num_tokens / page_size))."""
+    return -(-num_tokens // page_size)
+
+
+def heads_split(num_kv_heads: int, num_shards: int) -> bool:
+    """Whether a pool's KV heads split over `num_shards` (whole heads per shard); if not, every shard holds all of
+    them. The one rule the pool's shardings, its scale groups and attention under a mesh follow."""
+    return num_kv_heads % num_shards == 0
+
+
 def num_kv_heads_of(kv_pages: jax.Array | QuantizedKVPages, head_dim: int) -> int:
     """K, the KV heads one token row of the pool holds."""
     width = kv_pages.shape[2]

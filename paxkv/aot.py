@@ -20,6 +20,7 @@ import models
 from models.loaded_model import abstract_model
 from models.paged_forward import bucket
 from models.sharding import restore_target, state_shardings
+from pallas_kernels import pages_for
 from paxkv.kv_pool import abstract_pool, kv_bytes_per_page, kv_storage_dtype
 from paxkv.mesh import num_scale_groups
 from paxkv.sampler import SamplingArrays
@@ -142,7 +143,7 @@ def abstract_engine(
     kv_dtype = kv_storage_dtype(kv_cache_dtype, models.loading.DTYPES[dtype])
     kv_caches = abstract_pool(config, num_pages, page_size, kv_dtype, mesh)
     return AbstractEngine(
-        graphdef, state, kv_caches, page_size, -(-max_model_len // page_size), config.vocab_size, mesh
+        graphdef, state, kv_caches, page_size, pages_for(max_model_len, page_size), config.vocab_size, mesh
     )
 
 

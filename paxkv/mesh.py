@@ -6,7 +6,7 @@ import math
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from pallas_kernels import pool_partition_spec
+from pallas_kernels import heads_split, pool_partition_spec
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +83,9 @@ def make_mesh(mesh_shape: str | dict | None = None, devices=None) -> Mesh:
 
 
 def kv_heads_sharded(num_kv_heads: int, mesh: Mesh) -> bool:
-    """Whether the pool's KV heads split over "model"; if not, every model shard holds all of them."""
-    return num_kv_heads % mesh.shape["model"] == 0
+    """Whether the pool's KV heads split over "model" (pallas_kernels.heads_split); if not, every model shard holds
+    all of them."""
+    return heads_split(num_kv_heads, mesh.shape["model"])
 
 
 def pool_sharding(pool, num_kv_heads: int, mesh: Mesh):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 import models
 from models.paged_forward import bucket
+from pallas_kernels import pages_for
 from paxkv.aot import AbstractEngine, check_step_fits, compile_step, device_memory
 from paxkv.config import EngineConfig
 from paxkv.kv_pool import KVPool
@@ -44,7 +45,7 @@ class ModelRunner:
         mesh: the engine's mesh, or None for one device.
         """
         self.loaded, self.pool, self.preemption, self.config, self.mesh = loaded, pool, preemption, config, mesh
-        self.pages_per_seq = -(-max_model_len // config.page_size)
+        self.pages_per_seq = pages_for(max_model_len, config.page_size)
         self._graph = static_graph(loaded.graphdef)
         # (T bucket, S bucket, penalties?, suppress?, logprobs?): each distinct one is one step program.
         self.step_shapes: set[tuple[int, int, bool, bool, bool]] = set()

@@ -5,6 +5,7 @@ import os
 
 import models
 from models.config import ModelConfig, load_hf_config
+from pallas_kernels import pages_for
 from paxkv.kv_pool import QUANTIZED_NAMES, kv_bytes_per_page, kv_bytes_per_token
 
 # The KV dtypes the planner compares, by config name, with their storage dtypes.
@@ -68,7 +69,7 @@ def plan(
       page_size: tokens per page.
     """
     rows = []
-    pages_per_sequence = -(-max_model_len // page_size)
+    pages_per_sequence = pages_for(max_model_len, page_size)
     for name, dtype in PLAN_DTYPES.items():
         shape = (config.num_layers, config.num_kv_heads, config.head_dim, dtype, page_size)
         per_page = kv_bytes_per_page(*shape)

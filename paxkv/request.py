@@ -4,6 +4,7 @@ import dataclasses
 import enum
 import time
 
+from pallas_kernels import pages_for
 from paxkv.sampling_params import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -97,10 +98,10 @@ class Request:
 
     @staticmethod
     def num_pages_needed(page_size: int, num_tokens: int) -> int:
-        """Returns how many pages hold `num_tokens` tokens.
+        """Returns how many pages hold `num_tokens` tokens (pallas_kernels.pages_for).
 
         Args:
           page_size: tokens per page; positive.
           num_tokens: tokens to hold; not negative.
         """
-        return -(-num_tokens // page_size)
+        return pages_for(num_tokens, page_size)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from models.paged_forward import bucket, logits_over_pages
 from paxkv.sampler import SamplingArrays, sample, top_logprobs
 from paxkv.sampling_params import MAX_LOGPROBS
 from paxkv.step_inputs import StepInputs
@@ -110,10 +111,15 @@ def engine_step(
 
 def _forward_and_sample(graph, state, kv_caches, batch: StepBatch, with_logprobs: bool):
     """The body of engine_step for one replica's batch (leaves [S, ...]), traced once per step program."""
-    model = nnx.merge(graph.graphdef, state)
     inputs = batch.inputs
-    hidden, kv_caches = model(inputs.tokens, inputs.positions, kv_caches, inputs.metadata)
-    logits = model.logits(hidden[inputs.logits_indices]).astype(jnp.float32)  # f32[S, vocab]
+    logits, kv_caches = logits_over_pages(
+        nnx.merge(graph.graphdef, state),
+        inputs.tokens,
+        inputs.positions,
+        kv_caches,
+        inputs.metadata,
+        inputs.logits_indices,
+    )  # f32[S, vocab]
     tokens, _ = sample(
         logits, batch.sampling, batch.token_counts, prompt_mask=batch.prompt_mask, suppress=batch.suppress
     )
@@ -154,7 +160,7 @@ def page_copy_arrays(page_copies: list[tuple[int, int]]) -> tuple[jax.Array, jax
     Args:
       page_copies: (source, destination) pairs with distinct destinations.
     """
-    size = 1 << max(0, (len(page_copies) - 1).bit_length())
+    size = bucket(len(page_copies))
     pairs = list(page_copies) + [(0, 0)] * (size - len(page_copies))
     sources, destinations = zip(*pairs, strict=True)
     return jnp.asarray(sources, jnp.int32), jnp.asarray(destinations, jnp.int32)

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.paged_forward import bucket
+
 
 class HostSlotAllocator:
     """The host pool's free list: which swap slots hold a swapped-out page. Host-side bookkeeping only."""
@@ -40,7 +42,7 @@ class HostSlotAllocator:
 
 def _padded(indices: list[int]) -> tuple[jax.Array, int]:
     """Indices padded with 0 to a power of two (bounding compilations), and the true count."""
-    size = 1 << max(0, (len(indices) - 1).bit_length())
+    size = bucket(len(indices))
     return jnp.asarray(list(indices) + [0] * (size - len(indices)), jnp.int32), len(indices)
 
 

@@ -2,11 +2,11 @@
 
     python scripts/profile_step.py --batch 32 --prompt_len 128 --steps 32 --out bench_results/profile_step
 
-Runs B requests of random prompts on the embedded SmolLM2 (f32) through the Engine, then times --steps decode
-steps phase by phase (schedule, StepInputs + SamplingArrays, the jitted step until its result is ready, the host
-bookkeeping after it). It then times the same decode batch's device work split three ways, each a separate jitted
-program over the same inputs: the whole step, the step with attention replaced by the KV write alone, and the
-lm_head alone. Writes <out>.json and <out>.md.
+Runs B requests of random prompts on the embedded SmolLM2 (f32; --model for another) through the Engine, then
+times --steps decode steps phase by phase (schedule, StepInputs + SamplingArrays, the jitted step until its result
+is ready, the host bookkeeping after it). It then times the same decode batch's device work split three ways, each
+a separate jitted program over the same inputs: the whole step, the step with attention replaced by the KV write
+alone, and the lm_head alone. Writes <out>.json and <out>.md.
 """
 
 import json
@@ -22,6 +22,7 @@ flags.DEFINE_integer("batch", 32, "Sequences decoding together.")
 flags.DEFINE_integer("prompt_len", 128, "Prompt tokens per sequence.")
 flags.DEFINE_integer("steps", 32, "Decode steps to time.")
 flags.DEFINE_integer("num_pages", None, "Page pool size (default: just enough for the batch).")
+flags.DEFINE_string("model", None, "A model for models.load (default: the embedded SmolLM2).")
 flags.DEFINE_string("out", "bench_results/profile_step", "Output path prefix for .json and .md.")
 
 
@@ -60,32 +61,33 @@ def _device_split(engine, loaded) -> dict:
     from paxkv.step import engine_step, static_graph
 
     # The batch is only read here (never run through Engine.step), so the scheduler needs no update.
-    arguments = engine.step_arguments(engine.scheduler.schedule())
-    num_rows = arguments[1].batch_size
+    batch = engine.scheduler.schedule()
+    step_batch, with_logprobs = engine.runner.step_batch(batch, engine.outputs.seed_of)
+    num_rows = step_batch.sampling.temperature.shape[-1]
 
     def time_step(graph, repeats=10):
-        caches = [jnp.copy(c) for c in engine.kv_caches]
+        caches = jax.tree.map(jnp.copy, engine.kv_caches)
         times = []
         for _ in range(repeats + 1):
             start = time.perf_counter()
-            out, caches = engine_step(graph, loaded.state, caches, *arguments)
+            out, caches = engine_step(graph, loaded.state, caches, step_batch, with_logprobs)
             jax.block_until_ready(out)
             times.append(time.perf_counter() - start)
         return _median_ms(times[1:])
 
     whole = time_step(static_graph(loaded.graphdef))
-    original = models.layers.paged_attention
+    original = models.layers.attention_on_mesh
 
     def write_only(q, k, v, kv_pages, metadata, **kwargs):
         return q, write_kv(kv_pages, k, v, metadata.slots)
 
-    models.layers.paged_attention = write_only
+    models.layers.attention_on_mesh = write_only
     try:
         # A fresh split gives a new graphdef, so the step recompiles with the stub in place.
         graphdef, _ = nnx.split(loaded.model)
         no_attention = time_step(static_graph(graphdef))
     finally:
-        models.layers.paged_attention = original
+        models.layers.attention_on_mesh = original
 
     hidden = jnp.ones((num_rows, loaded.config.hidden_size), jnp.float32)
     logits = jax.jit(lambda state, h: nnx.merge(loaded.graphdef, state).logits(h))
@@ -108,14 +110,16 @@ def main(argv):
     import jax
 
     import models
-    import paxkv.engine as engine_module
+    import paxkv.model_runner
     from paxkv.compilation_cache import enable_compilation_cache
     from paxkv.config import EngineConfig
     from paxkv.engine import Engine
+    from paxkv.sampler import SamplingArrays
     from paxkv.sampling_params import SamplingParams
+    from paxkv.step_inputs import StepInputs
 
     enable_compilation_cache()
-    loaded = models.load(None)
+    loaded = models.load(FLAGS.model, require_tokenizer=False)
     batch = FLAGS.batch
     total_tokens = FLAGS.prompt_len + FLAGS.steps + 16
     engine = Engine(
@@ -137,13 +141,13 @@ def main(argv):
         engine.step()  # compile and warm the decode shape
 
     timer = _PhaseTimer()
-    original_from_batch = engine_module.StepInputs.__dict__["from_batch"]
-    original_from_params = engine_module.SamplingArrays.__dict__["from_params"]
+    original_from_batch = StepInputs.__dict__["from_batch"]
+    original_from_params = SamplingArrays.__dict__["from_params"]
     engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)
-    engine_module.StepInputs.from_batch = timer.wrap("step_inputs", engine_module.StepInputs.from_batch)
-    engine_module.SamplingArrays.from_params = timer.wrap("sampling_arrays", engine_module.SamplingArrays.from_params)
-    original_step = engine_module.engine_step
-    engine_module.engine_step = timer.wrap("device", original_step, block=True)
+    StepInputs.from_batch = timer.wrap("step_inputs", StepInputs.from_batch)
+    SamplingArrays.from_params = timer.wrap("sampling_arrays", SamplingArrays.from_params)
+    original_step = paxkv.model_runner.engine_step
+    paxkv.model_runner.engine_step = timer.wrap("device", original_step, block=True)
     totals = []
     try:
         for _ in range(FLAGS.steps):
@@ -151,9 +155,9 @@ def main(argv):
             engine.step()
             totals.append(time.perf_counter() - start)
     finally:
-        engine_module.engine_step = original_step
-        engine_module.StepInputs.from_batch = original_from_batch
-        engine_module.SamplingArrays.from_params = original_from_params
+        paxkv.model_runner.engine_step = original_step
+        StepInputs.from_batch = original_from_batch
+        SamplingArrays.from_params = original_from_params
         del engine.scheduler.schedule
     phases = {name: _median_ms(values) for name, values in timer.times.items()}
     phases["step_total"] = _median_ms(totals)

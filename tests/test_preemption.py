@@ -103,7 +103,10 @@ def test_preempted_requests_give_the_unpreempted_tokens(loaded, mode):
     other = "swap" if mode == "recompute" else "recompute"
     assert getattr(tight.metrics, f"num_preemptions_{mode}") > 0
     assert getattr(tight.metrics, f"num_preemptions_{other}") == 0
-    assert tight.pool.swap_space is None or tight.pool.swap_space.slots.num_free_slots == tight.pool.swap_space.slots.num_slots
+    assert (
+        tight.pool.swap_space is None
+        or tight.pool.swap_space.slots.num_free_slots == tight.pool.swap_space.slots.num_slots
+    )
 
 
 def test_auto_swaps_unique_requests_and_recomputes_cached_ones(loaded):
