@@ -3,7 +3,7 @@
 import dataclasses
 import operator
 
-from paxkv.mesh import parse_mesh_shape
+from paxkv.parallel.mesh import parse_mesh_shape
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
@@ -25,7 +25,7 @@ class EngineConfig:
     # bf16 scale per token and KV head, stored rotated (pallas_kernels/quantization.py).
     kv_cache_dtype: str = "auto"
     seed: int = 0  # draws seeds for requests that give none
-    enable_prefix_caching: bool = True  # share full prompt pages between requests (paxkv/prefix_trie.py)
+    enable_prefix_caching: bool = True  # share full prompt pages between requests (paxkv/scheduling/prefix_trie.py)
     # Preemption: "recompute" frees a victim's pages, "swap" copies them to a host pool and back, "auto"
     # picks the cheaper by measured prefill and transfer rates (swapping only when the host pool has room).
     preemption_mode: str = "auto"
@@ -33,8 +33,8 @@ class EngineConfig:
     # Admission keeps this fraction of the pool free, so a new request does not at once force preemptions.
     watermark: float = 0.01
     # The device mesh, "data=D,model=M" or a dict; None puts every device on "model" (one device on CPU).
-    # data > 1 runs data-parallel replicas, each with its own share of the pool (paxkv/scheduler.py).
-    # LLM and the CLI load the model onto it (paxkv.mesh.load_on_mesh).
+    # data > 1 runs data-parallel replicas, each with its own share of the pool (paxkv/scheduling/scheduler.py).
+    # LLM and the CLI load the model onto it (paxkv.parallel.mesh.load_on_mesh).
     mesh_shape: str | dict | None = None
 
     def __post_init__(self):

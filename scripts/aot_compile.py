@@ -299,8 +299,8 @@ def run_tpu_cases(cases: list[KernelCase], target_name: str, jobs: int) -> list[
 def model_config(name: str):
     """The ModelConfig for --model: smollm2, llama3-8b, or a path the planner reads."""
     import models
-    from paxkv.aot import LLAMA_3_8B
-    from paxkv.planner import plan_model_config
+    from paxkv.entrypoints.planner import plan_model_config
+    from paxkv.execution.aot import LLAMA_3_8B
 
     if name == "llama3-8b":
         return models.ModelConfig.from_hf_config(LLAMA_3_8B)
@@ -309,9 +309,9 @@ def model_config(name: str):
 
 def run_step_programs(args, tpu: deviceless.Target) -> tuple[list[dict], dict]:
     """Compile engine_step for the model on the target's mesh; rows per (T, S) program, and the setup."""
-    from paxkv import aot
-    from paxkv.mesh import make_mesh, parse_mesh_shape
-    from paxkv.run import parse_memory_size
+    from paxkv.entrypoints.run import parse_memory_size
+    from paxkv.execution import aot
+    from paxkv.parallel.mesh import make_mesh, parse_mesh_shape
 
     config = model_config(args.model)
     if args.num_layers:

@@ -71,8 +71,8 @@ def prefix_workload(vocab_size: int) -> list[list[int]]:
 def run_mode(loaded, prompts: list[list[int]], caching: bool) -> dict:
     """Run every prompt at once through a fresh engine; return its memory and speed figures."""
     from paxkv.config import EngineConfig
-    from paxkv.engine import Engine
-    from paxkv.sampling_params import SamplingParams
+    from paxkv.core.engine import Engine
+    from paxkv.scheduling.sampling_params import SamplingParams
 
     page_size, new_tokens = FLAGS.page_size, FLAGS.new_tokens
     # Room for every request without sharing, so neither mode is ever preempted and both are measured unconstrained.
@@ -170,7 +170,7 @@ def pressure(loaded) -> dict:
 
     import memory_pressure as mp
 
-    from paxkv.kv_pool import QUANTIZED_NAMES, kv_bytes_per_token
+    from paxkv.execution.kv_pool import QUANTIZED_NAMES, kv_bytes_per_token
 
     config = loaded.config
     per_token = {
@@ -306,7 +306,7 @@ def main(argv):
     import jax
 
     import models
-    from paxkv.compilation_cache import enable_compilation_cache
+    from paxkv.entrypoints.compilation_cache import enable_compilation_cache
 
     enable_compilation_cache()
     loaded = models.load(FLAGS.model)

@@ -35,7 +35,7 @@ def main(argv):
 
     import models
     from models.paged_forward import PagedSequence
-    from paxkv.compilation_cache import enable_compilation_cache
+    from paxkv.entrypoints.compilation_cache import enable_compilation_cache
 
     enable_compilation_cache()
     torch.set_num_threads(FLAGS.threads)

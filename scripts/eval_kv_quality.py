@@ -103,8 +103,8 @@ def natural_windows(tokenizer, count: int, length: int, rng) -> list[list[int]]:
 def generated_windows(loaded, count: int, length: int) -> list[list[int]]:
     """The model's own answers to varied prompts, chat-templated, as windows of `length` tokens."""
     from paxkv.config import EngineConfig
-    from paxkv.engine import Engine
-    from paxkv.sampling_params import SamplingParams
+    from paxkv.core.engine import Engine
+    from paxkv.scheduling.sampling_params import SamplingParams
 
     engine = Engine(loaded, EngineConfig(max_num_seqs=64, max_num_batched_tokens=1024, num_pages=2048))
     prompts = [task.format(topic) for topic in TOPICS for task in TASKS][:count]
@@ -137,7 +137,7 @@ def teacher_forced_logits(loaded, windows: list[list[int]], kv_cache_dtype: str)
     """Logits at every position of the windows, prefilled together through a pool of `kv_cache_dtype`."""
     from models.paged_forward import forward_over_pages
     from pallas_kernels import AttentionMetadata
-    from paxkv.kv_pool import allocate_pool, kv_storage_dtype
+    from paxkv.execution.kv_pool import allocate_pool, kv_storage_dtype
 
     length = len(windows[0])
     pages_per_window = -(-length // PAGE_SIZE)
@@ -164,8 +164,8 @@ def teacher_forced_logits(loaded, windows: list[list[int]], kv_cache_dtype: str)
 def greedy(loaded, prompts: list[list[int]], kv_cache_dtype: str, num_tokens: int) -> list[list[int]]:
     """Greedy continuations of every prompt with a KV pool of `kv_cache_dtype`."""
     from paxkv.config import EngineConfig
-    from paxkv.engine import Engine
-    from paxkv.sampling_params import SamplingParams
+    from paxkv.core.engine import Engine
+    from paxkv.scheduling.sampling_params import SamplingParams
 
     config = EngineConfig(
         max_num_seqs=100,
@@ -187,7 +187,7 @@ def greedy(loaded, prompts: list[list[int]], kv_cache_dtype: str, num_tokens: in
 def main(argv):
     del argv
     import models
-    from paxkv.compilation_cache import enable_compilation_cache
+    from paxkv.entrypoints.compilation_cache import enable_compilation_cache
 
     enable_compilation_cache()
     start = time.perf_counter()

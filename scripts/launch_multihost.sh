@@ -24,7 +24,7 @@ port=${PAXKV_COORDINATOR_PORT:-$("$python" -c 'import socket; s = socket.socket(
 pids=()
 for ((i = 0; i < num_processes; i++)); do
   JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES=$devices XLA_FLAGS= \
-    "$python" -m paxkv.run --coordinator_address="127.0.0.1:$port" --num_processes="$num_processes" \
+    "$python" -m paxkv.entrypoints.run --coordinator_address="127.0.0.1:$port" --num_processes="$num_processes" \
     --process_id="$i" "$@" 2>"$log_dir/process-$i.log" &
   pids+=($!)
 done

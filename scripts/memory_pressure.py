@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from paxkv.page_allocator import OutOfPagesError, PageAllocator
+from paxkv.scheduling.page_allocator import OutOfPagesError, PageAllocator
 
 PAGE_SIZES = (4, 8, 16, 32, 64, 128)
 
@@ -81,8 +81,8 @@ def page_size_waste(lengths: np.ndarray) -> list[dict]:
 def decode_throughput(loaded, page_size: int, batch: int, prompt_len: int, new_tokens: int) -> float:
     """Decode tokens per second at `batch` on this backend's attention path, prefill excluded."""
     from paxkv.config import EngineConfig
-    from paxkv.engine import Engine
-    from paxkv.sampling_params import SamplingParams
+    from paxkv.core.engine import Engine
+    from paxkv.scheduling.sampling_params import SamplingParams
 
     config = EngineConfig(
         page_size=page_size,
@@ -108,8 +108,8 @@ def decode_throughput(loaded, page_size: int, batch: int, prompt_len: int, new_t
 def overload(loaded, num_requests: int, fraction_of_demand: float, seed: int) -> list[dict]:
     """(c): requests against a pool of a fraction of their demand, under recompute, swap and auto, in one run."""
     from paxkv.config import EngineConfig
-    from paxkv.engine import Engine
-    from paxkv.sampling_params import SamplingParams
+    from paxkv.core.engine import Engine
+    from paxkv.scheduling.sampling_params import SamplingParams
 
     rng = np.random.default_rng(seed)
     page_size, new_tokens = 16, 32

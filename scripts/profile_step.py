@@ -58,7 +58,7 @@ def _device_split(engine, loaded) -> dict:
 
     import models.layers
     from pallas_kernels import write_kv
-    from paxkv.step import engine_step, static_graph
+    from paxkv.execution.step import engine_step, static_graph
 
     # The batch is only read here (never run through Engine.step), so the scheduler needs no update.
     batch = engine.scheduler.schedule()
@@ -110,13 +110,13 @@ def main(argv):
     import jax
 
     import models
-    import paxkv.model_runner
-    from paxkv.compilation_cache import enable_compilation_cache
+    import paxkv.execution.model_runner
     from paxkv.config import EngineConfig
-    from paxkv.engine import Engine
-    from paxkv.sampler import SamplingArrays
-    from paxkv.sampling_params import SamplingParams
-    from paxkv.step_inputs import StepInputs
+    from paxkv.core.engine import Engine
+    from paxkv.entrypoints.compilation_cache import enable_compilation_cache
+    from paxkv.execution.sampler import SamplingArrays
+    from paxkv.execution.step_inputs import StepInputs
+    from paxkv.scheduling.sampling_params import SamplingParams
 
     enable_compilation_cache()
     loaded = models.load(FLAGS.model, require_tokenizer=False)
@@ -146,8 +146,8 @@ def main(argv):
     engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)
     StepInputs.from_batch = timer.wrap("step_inputs", StepInputs.from_batch)
     SamplingArrays.from_params = timer.wrap("sampling_arrays", SamplingArrays.from_params)
-    original_step = paxkv.model_runner.engine_step
-    paxkv.model_runner.engine_step = timer.wrap("device", original_step, block=True)
+    original_step = paxkv.execution.model_runner.engine_step
+    paxkv.execution.model_runner.engine_step = timer.wrap("device", original_step, block=True)
     totals = []
     try:
         for _ in range(FLAGS.steps):
@@ -155,7 +155,7 @@ def main(argv):
             engine.step()
             totals.append(time.perf_counter() - start)
     finally:
-        paxkv.model_runner.engine_step = original_step
+        paxkv.execution.model_runner.engine_step = original_step
         StepInputs.from_batch = original_from_batch
         SamplingArrays.from_params = original_from_params
         del engine.scheduler.schedule

@@ -18,7 +18,7 @@ os.environ["XLA_FLAGS"] = " ".join(
 
 import jax  # noqa: E402
 
-from paxkv.compilation_cache import (  # noqa: E402
+from paxkv.entrypoints.compilation_cache import (  # noqa: E402
     ENV_VAR,
     MIN_SECONDS_ENV_VAR,
     default_cache_dir,

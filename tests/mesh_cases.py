@@ -6,7 +6,7 @@ import re
 import jax
 from jax.sharding import PartitionSpec as P
 
-import paxkv.model_runner as model_runner
+import paxkv.execution.model_runner as model_runner
 
 # Written out here, independently of models/sharding.py: where each parameter's axes go under tensor
 # parallelism (q/k/v/gate/up by output columns, o/down by input rows, embedding and lm_head by vocab);

@@ -14,10 +14,10 @@ import jax
 import pytest
 
 import models
-from paxkv.aot import AbstractEngine, compile_step
 from paxkv.config import EngineConfig
-from paxkv.engine import Engine
-from paxkv.mesh import make_mesh
+from paxkv.core.engine import Engine
+from paxkv.execution.aot import AbstractEngine, compile_step
+from paxkv.parallel.mesh import make_mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "aot_compile.py")
@@ -118,10 +118,10 @@ def test_a_step_too_big_for_the_device_is_refused_at_start(tmp_path_factory, mak
     make_tiny_llama().save_pretrained(path)
     loaded = models.load(path, require_tokenizer=False)
     config = EngineConfig(num_pages=16, page_size=8, max_num_seqs=4, max_num_batched_tokens=64)
-    monkeypatch.setattr("paxkv.model_runner.device_memory", lambda mesh: (2**30, 2**30 - 1000))
+    monkeypatch.setattr("paxkv.execution.model_runner.device_memory", lambda mesh: (2**30, 2**30 - 1000))
     with pytest.raises(ValueError, match=r"largest step \(T=64 tokens, S=4 rows.*lower kv_cache_memory_bytes"):
         Engine(loaded, config)
-    monkeypatch.setattr("paxkv.model_runner.device_memory", lambda mesh: (2**30, 0))
+    monkeypatch.setattr("paxkv.execution.model_runner.device_memory", lambda mesh: (2**30, 0))
     engine = Engine(loaded, config)  # room to spare: it starts
     assert engine.scheduler.num_total_pages > 0
 

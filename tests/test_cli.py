@@ -10,7 +10,7 @@ def _run_cli(*args, timeout=600):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     return subprocess.run(
-        [sys.executable, "-m", "paxkv.run", *args], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "paxkv.entrypoints.run", *args], env=env, capture_output=True, text=True, timeout=timeout
     )
 
 

@@ -13,7 +13,7 @@ _CHILD = textwrap.dedent(
     import jax
     from flax import nnx
     from models import Llama, ModelConfig, PagedSequence
-    from paxkv.compilation_cache import enable_compilation_cache
+    from paxkv.entrypoints.compilation_cache import enable_compilation_cache
 
     events = {"hits": 0, "misses": 0}
     def listen(event, **kwargs):

@@ -14,12 +14,12 @@ from mesh_cases import EXPECTED_SPECS, spec_of, step_collectives
 import models
 from paxkv import LLM
 from paxkv.config import EngineConfig
-from paxkv.engine import Engine
-from paxkv.mesh import make_mesh, parse_mesh_shape
-from paxkv.request import Request
-from paxkv.sampling_params import SamplingParams
-from paxkv.scheduler import Scheduler
-from paxkv.swap import HostSwapSpace
+from paxkv.core.engine import Engine
+from paxkv.execution.swap import HostSwapSpace
+from paxkv.parallel.mesh import make_mesh, parse_mesh_shape
+from paxkv.scheduling.request import Request
+from paxkv.scheduling.sampling_params import SamplingParams
+from paxkv.scheduling.scheduler import Scheduler
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ import torch
 
 import models
 from paxkv.config import EngineConfig
-from paxkv.engine import Engine
-from paxkv.sampling_params import SamplingParams
-from paxkv.step import num_step_compilations
-from paxkv.step_inputs import num_buckets
+from paxkv.core.engine import Engine
+from paxkv.execution.step import num_step_compilations
+from paxkv.execution.step_inputs import num_buckets
+from paxkv.scheduling.sampling_params import SamplingParams
 
 NEW_TOKENS = 12
 

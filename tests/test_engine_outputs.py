@@ -6,8 +6,8 @@ import torch
 
 import models
 from paxkv.config import EngineConfig
-from paxkv.engine import Engine
-from paxkv.sampling_params import SamplingParams
+from paxkv.core.engine import Engine
+from paxkv.scheduling.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ import io
 import pytest
 
 from paxkv import LLM, SamplingParams
-from paxkv.batch_runner import BadRequestsError, run_lines
-from paxkv.prompts_file import PromptLine
+from paxkv.entrypoints.batch_runner import BadRequestsError, run_lines
+from paxkv.entrypoints.prompts_file import PromptLine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 

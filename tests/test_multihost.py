@@ -9,7 +9,7 @@ import sys
 import pytest
 import tokenizers
 
-from paxkv import distributed
+from paxkv.parallel import distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(253)]
@@ -66,7 +66,7 @@ def single_process_tokens(tiny_model, tmp_path_factory) -> list[list[int]]:
     model_dir, prompts = tiny_model
     output = tmp_path_factory.mktemp("single") / "single.jsonl"
     single = subprocess.run(
-        [sys.executable, "-m", "paxkv.run", *_run_flags(model_dir, prompts), f"--output={output}"],
+        [sys.executable, "-m", "paxkv.entrypoints.run", *_run_flags(model_dir, prompts), f"--output={output}"],
         env=_env(),
         capture_output=True,
         text=True,
@@ -87,7 +87,7 @@ def test_two_processes_match_one_and_only_process_0_writes(tiny_model, single_pr
             [
                 sys.executable,
                 "-m",
-                "paxkv.run",
+                "paxkv.entrypoints.run",
                 *flags,
                 "--mesh=data=1,model=4",  # spans both processes' devices: the collectives cross them
                 f"--coordinator_address=127.0.0.1:{port}",
@@ -163,7 +163,7 @@ def test_unreachable_coordinator_fails_after_the_timeout_with_a_clear_error(tmp_
         [
             sys.executable,
             "-m",
-            "paxkv.run",
+            "paxkv.entrypoints.run",
             "--prompt=w1",
             f"--coordinator_address=127.0.0.1:{_free_port()}",
             "--num_processes=2",

@@ -17,13 +17,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # prints how many bytes it read from files, how far its peak RSS grew, and what it holds.
 RESTORE = """
 import json, sys
-from paxkv import distributed
+from paxkv.parallel import distributed
 directory, port, process_id = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if process_id >= 0:
     distributed.initialize(f"127.0.0.1:{port}", 2, process_id, timeout_seconds=60)
 import models, orbax.checkpoint, tensorstore  # imported before the baseline
 from flax import nnx
-from paxkv.mesh import make_mesh
+from paxkv.parallel.mesh import make_mesh
 
 def bytes_read():
     with open("/proc/self/io") as f:

@@ -6,7 +6,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from paxkv.page_allocator import OutOfPagesError, PageAllocator
+from paxkv.scheduling.page_allocator import OutOfPagesError, PageAllocator
 
 
 def ref_counts(allocator: PageAllocator) -> list[int]:

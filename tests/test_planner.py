@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from models.config import ModelConfig
-from paxkv.planner import parameter_count, plan
+from paxkv.entrypoints.planner import parameter_count, plan
 
 # Llama 3 70B's config.json, as its model card gives it.
 LLAMA_70B = {
@@ -68,7 +68,7 @@ def test_cli_plans_from_a_config_json_alone(tmp_path):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     result = subprocess.run(
-        [sys.executable, "-m", "paxkv.run", "--plan", f"--model={path}", "--kv_cache_memory=80GiB"],
+        [sys.executable, "-m", "paxkv.entrypoints.run", "--plan", f"--model={path}", "--kv_cache_memory=80GiB"],
         env=env,
         capture_output=True,
         text=True,
@@ -79,7 +79,7 @@ def test_cli_plans_from_a_config_json_alone(tmp_path):
     assert "Without grouped-query attention (64 KV heads) it would be 320.00 GiB" in result.stdout
     assert "fp8_e4m3" in result.stdout and "327,680" in result.stdout
     missing = subprocess.run(
-        [sys.executable, "-m", "paxkv.run", "--plan", f"--model={tmp_path / 'nope.json'}"],
+        [sys.executable, "-m", "paxkv.entrypoints.run", "--plan", f"--model={tmp_path / 'nope.json'}"],
         env=env,
         capture_output=True,
         text=True,

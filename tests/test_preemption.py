@@ -8,10 +8,10 @@ import pytest
 import models
 from pallas_kernels import QuantizedKVPages
 from paxkv.config import EngineConfig
-from paxkv.engine import Engine
-from paxkv.preemption import PreemptionPolicy
-from paxkv.sampling_params import SamplingParams
-from paxkv.swap import HostSwapSpace
+from paxkv.core.engine import Engine
+from paxkv.execution.swap import HostSwapSpace
+from paxkv.scheduling.preemption import PreemptionPolicy
+from paxkv.scheduling.sampling_params import SamplingParams
 
 PAGE = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -138,7 +138,7 @@ def test_lowest_priority_is_preempted_first(loaded, caplog):
         engine.add_request(
             request_id, prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), priority=priority
         )
-    with caplog.at_level("INFO", logger="paxkv.replica_scheduler"):
+    with caplog.at_level("INFO", logger="paxkv.scheduling.replica_scheduler"):
         while engine.has_unfinished_requests():
             engine.step()
     victims = [r.getMessage().split("'")[1] for r in caplog.records if "preempted request" in r.getMessage()]

@@ -5,8 +5,8 @@ import pytest
 
 import models
 from paxkv.config import EngineConfig
-from paxkv.engine import Engine
-from paxkv.sampling_params import SamplingParams
+from paxkv.core.engine import Engine
+from paxkv.scheduling.sampling_params import SamplingParams
 
 PAGE = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

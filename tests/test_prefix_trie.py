@@ -7,12 +7,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from paxkv.page_allocator import PageAllocator
-from paxkv.prefix_trie import PrefixTrie
-from paxkv.replica_scheduler import ReplicaScheduler
-from paxkv.request import Request, RequestStatus
-from paxkv.sampling_params import SamplingParams
-from paxkv.scheduled_batch import ReplicaBatch
+from paxkv.scheduling.page_allocator import PageAllocator
+from paxkv.scheduling.prefix_trie import PrefixTrie
+from paxkv.scheduling.replica_scheduler import ReplicaScheduler
+from paxkv.scheduling.request import Request, RequestStatus
+from paxkv.scheduling.sampling_params import SamplingParams
+from paxkv.scheduling.scheduled_batch import ReplicaBatch
 
 PAGE_SIZE = 4
 

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paxkv.page_allocator import PageAllocator
-from paxkv.replica_scheduler import ReplicaScheduler
-from paxkv.request import Request, RequestStatus
-from paxkv.sampling_params import SamplingParams
-from paxkv.scheduled_batch import ReplicaBatch
+from paxkv.scheduling.page_allocator import PageAllocator
+from paxkv.scheduling.replica_scheduler import ReplicaScheduler
+from paxkv.scheduling.request import Request, RequestStatus
+from paxkv.scheduling.sampling_params import SamplingParams
+from paxkv.scheduling.scheduled_batch import ReplicaBatch
 
 EOS = 0
 VOCAB_SIZE = 23
@@ -332,7 +332,7 @@ def test_preemption_by_recompute_gives_the_outputs_of_isolated_runs(caplog):
     for request in requests:
         scheduler.add_request(request)
     model, victims = FakeModel(), []
-    with caplog.at_level(logging.INFO, logger="paxkv.replica_scheduler"):
+    with caplog.at_level(logging.INFO, logger="paxkv.scheduling.replica_scheduler"):
         for _ in range(1000):
             if not scheduler.has_unfinished_requests():
                 break

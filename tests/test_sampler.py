@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paxkv.sampler import SamplingArrays, apply_penalties, sample, top_logprobs
-from paxkv.sampling_params import SamplingParams
+from paxkv.execution.sampler import SamplingArrays, apply_penalties, sample, top_logprobs
+from paxkv.scheduling.sampling_params import SamplingParams
 
 sample_jit = jax.jit(sample)
 top_logprobs_jit = jax.jit(top_logprobs, static_argnums=1)

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from paxkv.sampling_params import SamplingParams
+from paxkv.scheduling.sampling_params import SamplingParams
 
 
 def test_defaults_match_vllm():

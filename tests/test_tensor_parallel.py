@@ -16,9 +16,9 @@ from models.sharding import attention_on_mesh
 from pallas_kernels import AttentionMetadata
 from paxkv import LLM
 from paxkv.config import EngineConfig
-from paxkv.engine import Engine
-from paxkv.mesh import make_mesh, parse_mesh_shape
-from paxkv.sampling_params import SamplingParams
+from paxkv.core.engine import Engine
+from paxkv.parallel.mesh import make_mesh, parse_mesh_shape
+from paxkv.scheduling.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ def test_smollm2_replicates_its_three_kv_heads_on_model_2(caplog):
     prompts = [single.tokenizer.encode("The capital of France is"), single.tokenizer.encode("1, 2, 3,")]
     _, expected = _greedy(single, prompts)
     loaded = _on_mesh(None, 2)
-    with caplog.at_level(logging.WARNING, logger="paxkv.mesh"):
+    with caplog.at_level(logging.WARNING, logger="paxkv.parallel.mesh"):
         engine, tokens = _greedy(loaded, prompts)
     assert tokens == expected
     assert "REPLICATED" in caplog.text and "3 KV heads" in caplog.text
@@ -205,7 +205,7 @@ def test_bad_meshes_name_the_problem(mesh_shape, message):
 
 def test_a_mesh_smaller_than_the_machine_takes_the_first_devices(caplog):
     """As vLLM's tensor_parallel_size=2 on an 8-GPU host: 2 of the 8 devices, and the log says so."""
-    with caplog.at_level(logging.INFO, logger="paxkv.mesh"):
+    with caplog.at_level(logging.INFO, logger="paxkv.parallel.mesh"):
         mesh = make_mesh("data=1,model=2")
     assert list(mesh.devices.flat) == jax.devices()[:2]
     assert "mesh data=1,model=2 uses the first 2 of 8 cpu devices" in caplog.text

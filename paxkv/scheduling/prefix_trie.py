@@ -5,7 +5,7 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
-from paxkv.page_allocator import PageAllocator
+from paxkv.scheduling.page_allocator import PageAllocator
 
 
 @dataclasses.dataclass(eq=False)

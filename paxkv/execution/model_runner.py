@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import models
 from models.paged_forward import bucket
 from pallas_kernels import pages_for
-from paxkv.aot import AbstractEngine, check_step_fits, compile_step, device_memory
 from paxkv.config import EngineConfig
-from paxkv.kv_pool import KVPool
-from paxkv.preemption import PreemptionPolicy
-from paxkv.scheduled_batch import ScheduledBatch
-from paxkv.step import SampledTokens, StepBatch, copy_pages, engine_step, page_copy_arrays, static_graph
-from paxkv.step_arguments import build_step_batch
+from paxkv.execution.aot import AbstractEngine, check_step_fits, compile_step, device_memory
+from paxkv.execution.kv_pool import KVPool
+from paxkv.execution.step import SampledTokens, StepBatch, copy_pages, engine_step, page_copy_arrays, static_graph
+from paxkv.execution.step_arguments import build_step_batch
+from paxkv.scheduling.preemption import PreemptionPolicy
+from paxkv.scheduling.scheduled_batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class ModelRunner:
         self.num_pages_swapped = 0
 
     def step_batch(self, batch: ScheduledBatch, seed_of: Callable[[str], int]) -> tuple[StepBatch, bool]:
-        """The step's batch argument (every leaf [D, ...]) and logprobs flag for `batch` (paxkv.step_arguments).
+        """The step's batch argument (every leaf [D, ...]) and logprobs flag for `batch` (execution.step_arguments).
 
         Args:
           batch: a batch the scheduler returned.

@@ -8,9 +8,9 @@ samples sharing its prompt's pages. check_page_invariants states what the sharin
 
 import collections
 
-from paxkv.page_allocator import PageAllocator
-from paxkv.prefix_trie import PrefixTrie
-from paxkv.request import Request, RequestStatus
+from paxkv.scheduling.page_allocator import PageAllocator
+from paxkv.scheduling.prefix_trie import PrefixTrie
+from paxkv.scheduling.request import Request, RequestStatus
 
 
 class PrefixSharing:

@@ -75,7 +75,7 @@ class EngineMetrics:
         """Refresh what the scheduler counts: pages requests hold, the prefix caches' pages and hits, preemptions.
 
         Args:
-          scheduler: the engine's paxkv.scheduler.Scheduler.
+          scheduler: the engine's paxkv.scheduling.scheduler.Scheduler.
         """
         self.kv_pages_used = scheduler.num_request_pages
         # Every allocated page is held by a request, or else only by a prefix cache (idle).

@@ -21,12 +21,12 @@ from models.loaded_model import abstract_model
 from models.paged_forward import bucket
 from models.sharding import restore_target, state_shardings
 from pallas_kernels import pages_for
-from paxkv.kv_pool import abstract_pool, kv_bytes_per_page, kv_storage_dtype
-from paxkv.mesh import num_scale_groups
-from paxkv.sampler import SamplingArrays
-from paxkv.scheduled_batch import ReplicaBatch
-from paxkv.step import StepBatch, engine_step, static_graph
-from paxkv.step_inputs import StepInputs
+from paxkv.execution.kv_pool import abstract_pool, kv_bytes_per_page, kv_storage_dtype
+from paxkv.execution.sampler import SamplingArrays
+from paxkv.execution.step import StepBatch, engine_step, static_graph
+from paxkv.execution.step_inputs import StepInputs
+from paxkv.parallel.mesh import num_scale_groups
+from paxkv.scheduling.scheduled_batch import ReplicaBatch
 
 logger = logging.getLogger(__name__)
 

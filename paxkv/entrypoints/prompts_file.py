@@ -5,7 +5,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from paxkv.sampling_params import SamplingParams
+from paxkv.scheduling.sampling_params import SamplingParams
 
 # Keys a line may carry besides the sampling fields.
 PROMPT_KEYS = ("prompt", "messages")

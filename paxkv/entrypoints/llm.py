@@ -2,12 +2,12 @@
 
 import itertools
 
-from paxkv.batch_runner import drain, encode_chat, encode_prompt
 from paxkv.config import EngineConfig
-from paxkv.engine import Engine
-from paxkv.mesh import load_on_mesh
-from paxkv.outputs import RequestOutput
-from paxkv.sampling_params import SamplingParams
+from paxkv.core.engine import Engine
+from paxkv.core.outputs import RequestOutput
+from paxkv.entrypoints.batch_runner import drain, encode_chat, encode_prompt
+from paxkv.parallel.mesh import load_on_mesh
+from paxkv.scheduling.sampling_params import SamplingParams
 
 
 class LLM:

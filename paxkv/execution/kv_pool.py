@@ -12,9 +12,9 @@ from jax.sharding import Mesh
 import models
 from pallas_kernels import QuantizedKVPages, page_bytes
 from paxkv.config import EngineConfig
-from paxkv.distributed import agree_across_processes
-from paxkv.mesh import num_scale_groups, pool_sharding
-from paxkv.swap import HostSwapSpace
+from paxkv.execution.swap import HostSwapSpace
+from paxkv.parallel.distributed import agree_across_processes
+from paxkv.parallel.mesh import num_scale_groups, pool_sharding
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def kv_bytes_per_page(
       num_layers, num_kv_heads, head_dim: the model's attention shape.
       dtype: the storage dtype.
       page_size: tokens per page.
-      num_groups: for 8-bit pools, the head groups of the scale layout (paxkv.mesh.num_scale_groups).
+      num_groups: for 8-bit pools, the head groups of the scale layout (paxkv.parallel.mesh.num_scale_groups).
     """
     return num_layers * page_bytes(page_size, num_kv_heads, head_dim, dtype, num_groups)
 

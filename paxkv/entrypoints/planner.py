@@ -6,7 +6,7 @@ import os
 import models
 from models.config import ModelConfig, load_hf_config
 from pallas_kernels import pages_for
-from paxkv.kv_pool import QUANTIZED_NAMES, kv_bytes_per_page, kv_bytes_per_token
+from paxkv.execution.kv_pool import QUANTIZED_NAMES, kv_bytes_per_page, kv_bytes_per_token
 
 # The KV dtypes the planner compares, by config name, with their storage dtypes.
 PLAN_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "fp8_e4m3": QUANTIZED_NAMES["fp8_e4m3"], "int8": "int8"}

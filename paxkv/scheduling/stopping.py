@@ -8,7 +8,7 @@ and the output processor finds stop strings in the text it detokenizes. All of t
 
 from collections.abc import Collection, Iterable
 
-from paxkv.request import Request
+from paxkv.scheduling.request import Request
 
 
 def holds_back_stops(request: Request) -> bool:

@@ -103,9 +103,9 @@ def _sampling_defaults() -> dict:
 
 def _collect_lines(defaults: dict):
     """Every request to run, as PromptLine or BadLine, from --prompt then --prompts_file."""
-    from paxkv.distributed import broadcast_json, is_leader
-    from paxkv.prompts_file import BadLine, PromptLine, parse_lines
-    from paxkv.sampling_params import SamplingParams
+    from paxkv.entrypoints.prompts_file import BadLine, PromptLine, parse_lines
+    from paxkv.parallel.distributed import broadcast_json, is_leader
+    from paxkv.scheduling.sampling_params import SamplingParams
 
     try:
         params = SamplingParams.from_dict(defaults)  # the flags alone must make valid params
@@ -190,7 +190,7 @@ def _print_summary(summary: dict) -> None:
 def _print_plan() -> None:
     """`--plan`: KV capacity for --model from its config alone, for every KV dtype."""
     from models.errors import CheckpointError
-    from paxkv.planner import format_plan, plan, plan_model_config
+    from paxkv.entrypoints.planner import format_plan, plan, plan_model_config
 
     try:
         config = plan_model_config(FLAGS.model)
@@ -224,7 +224,7 @@ def main(argv):
     if FLAGS.plan:
         _print_plan()
         return
-    from paxkv.distributed import initialize, is_leader
+    from paxkv.parallel.distributed import initialize, is_leader
 
     try:
         initialize(
@@ -261,10 +261,10 @@ def main(argv):
         raise app.UsageError(str(e)) from None
 
     from models import CheckpointError
-    from paxkv.batch_runner import BadRequestsError, run_lines
-    from paxkv.compilation_cache import enable_compilation_cache
-    from paxkv.engine import Engine
-    from paxkv.mesh import load_on_mesh
+    from paxkv.core.engine import Engine
+    from paxkv.entrypoints.batch_runner import BadRequestsError, run_lines
+    from paxkv.entrypoints.compilation_cache import enable_compilation_cache
+    from paxkv.parallel.mesh import load_on_mesh
 
     enable_compilation_cache(FLAGS.compilation_cache_dir)
     try:

@@ -4,8 +4,8 @@ import time
 
 from tqdm import tqdm
 
-from paxkv.engine import Engine
-from paxkv.prompts_file import BadLine, PromptLine, result_record
+from paxkv.core.engine import Engine
+from paxkv.entrypoints.prompts_file import BadLine, PromptLine, result_record
 
 
 def encode_prompt(tokenizer, prompt) -> list[int]:

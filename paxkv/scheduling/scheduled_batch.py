@@ -3,7 +3,7 @@
 import dataclasses
 from collections.abc import Callable
 
-from paxkv.request import Request
+from paxkv.scheduling.request import Request
 
 
 @dataclasses.dataclass(frozen=True)

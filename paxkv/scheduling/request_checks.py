@@ -1,9 +1,9 @@
 """What makes a request malformed, checked before the engine accepts it: each failure names the problem and the fix.
 
-The scheduler adds what only it knows (the context and the pool: paxkv.replica_scheduler.add_request).
+The scheduler adds what only it knows (the context and the pool: paxkv.scheduling.replica_scheduler.add_request).
 """
 
-from paxkv.sampling_params import SamplingParams
+from paxkv.scheduling.sampling_params import SamplingParams
 
 
 def check_request(

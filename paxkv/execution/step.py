@@ -9,9 +9,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from models.paged_forward import bucket, logits_over_pages
-from paxkv.sampler import SamplingArrays, sample, top_logprobs
-from paxkv.sampling_params import MAX_LOGPROBS
-from paxkv.step_inputs import StepInputs
+from paxkv.execution.sampler import SamplingArrays, sample, top_logprobs
+from paxkv.execution.step_inputs import StepInputs
+from paxkv.scheduling.sampling_params import MAX_LOGPROBS
 
 
 @jax.tree_util.register_dataclass

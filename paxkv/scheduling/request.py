@@ -5,7 +5,7 @@ import enum
 import time
 
 from pallas_kernels import pages_for
-from paxkv.sampling_params import SamplingParams
+from paxkv.scheduling.sampling_params import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "abort")
 

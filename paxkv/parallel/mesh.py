@@ -155,7 +155,7 @@ def engine_mesh(loaded, mesh_shape: str | dict | None) -> Mesh | None:
     if mesh_shape is not None and parse_mesh_shape(mesh_shape) != have:
         raise ValueError(
             f"mesh_shape={mesh_shape!r}, but the model was loaded on data={have['data']},model={have['model']}; "
-            "load it with paxkv.mesh.load_on_mesh(source, mesh_shape), as LLM and the CLI do"
+            "load it with paxkv.parallel.mesh.load_on_mesh(source, mesh_shape), as LLM and the CLI do"
         )
     if loaded.mesh is None or loaded.mesh.size == 1:
         return None

@@ -12,20 +12,20 @@ import jax
 
 import models
 from paxkv.config import EngineConfig
-from paxkv.distributed import host_value
-from paxkv.kv_pool import KVPool
-from paxkv.mesh import engine_mesh
-from paxkv.metrics import EngineMetrics
-from paxkv.model_runner import ModelRunner
-from paxkv.output_processor import OutputProcessor
-from paxkv.outputs import RequestOutput
-from paxkv.preemption import PreemptionPolicy
-from paxkv.request import Request
-from paxkv.request_checks import check_request
-from paxkv.sampling_params import SamplingParams
-from paxkv.scheduler import Scheduler
-from paxkv.step import num_step_compilations
-from paxkv.step_inputs import num_buckets
+from paxkv.core.metrics import EngineMetrics
+from paxkv.core.output_processor import OutputProcessor
+from paxkv.core.outputs import RequestOutput
+from paxkv.execution.kv_pool import KVPool
+from paxkv.execution.model_runner import ModelRunner
+from paxkv.execution.step import num_step_compilations
+from paxkv.execution.step_inputs import num_buckets
+from paxkv.parallel.distributed import host_value
+from paxkv.parallel.mesh import engine_mesh
+from paxkv.scheduling.preemption import PreemptionPolicy
+from paxkv.scheduling.request import Request
+from paxkv.scheduling.request_checks import check_request
+from paxkv.scheduling.sampling_params import SamplingParams
+from paxkv.scheduling.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

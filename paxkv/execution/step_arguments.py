@@ -5,11 +5,11 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from paxkv.sampler import SamplingArrays
-from paxkv.scheduled_batch import ReplicaBatch, ScheduledBatch
-from paxkv.step import StepBatch
-from paxkv.step_inputs import StepInputs, padded_batch_sizes
-from paxkv.stopping import holds_back_stops, stop_token_ids
+from paxkv.execution.sampler import SamplingArrays
+from paxkv.execution.step import StepBatch
+from paxkv.execution.step_inputs import StepInputs, padded_batch_sizes
+from paxkv.scheduling.scheduled_batch import ReplicaBatch, ScheduledBatch
+from paxkv.scheduling.stopping import holds_back_stops, stop_token_ids
 
 
 def build_step_batch(

@@ -15,13 +15,13 @@ running this same code on the same requests, makes the same plan.
 from collections.abc import Mapping
 from typing import Protocol
 
-from paxkv.page_allocator import PageAllocator
-from paxkv.preemption import PreemptionPolicy
-from paxkv.prefix_trie import PrefixTrie
-from paxkv.replica_scheduler import ReplicaScheduler
-from paxkv.request import Request
-from paxkv.scheduled_batch import ScheduledBatch, StepOutcome
-from paxkv.swap import HostSlotAllocator
+from paxkv.scheduling.page_allocator import PageAllocator
+from paxkv.scheduling.preemption import PreemptionPolicy
+from paxkv.scheduling.prefix_trie import PrefixTrie
+from paxkv.scheduling.replica_scheduler import ReplicaScheduler
+from paxkv.scheduling.request import Request
+from paxkv.scheduling.scheduled_batch import ScheduledBatch, StepOutcome
+from paxkv.scheduling.swap_slots import HostSlotAllocator
 
 
 class SchedulerInterface(Protocol):

@@ -5,14 +5,14 @@ import collections
 import logging
 from collections.abc import Iterable, Mapping
 
-from paxkv.page_allocator import PageAllocator
-from paxkv.page_sharing import PrefixSharing, SampleForks, check_page_invariants
-from paxkv.preemption import PreemptionPolicy
-from paxkv.prefix_trie import PrefixTrie
-from paxkv.request import Request, RequestStatus
-from paxkv.scheduled_batch import ReplicaBatch, ScheduledSequence, StepOutcome
-from paxkv.stopping import stop_after_token
-from paxkv.swap import HostSlotAllocator
+from paxkv.scheduling.page_allocator import PageAllocator
+from paxkv.scheduling.page_sharing import PrefixSharing, SampleForks, check_page_invariants
+from paxkv.scheduling.preemption import PreemptionPolicy
+from paxkv.scheduling.prefix_trie import PrefixTrie
+from paxkv.scheduling.request import Request, RequestStatus
+from paxkv.scheduling.scheduled_batch import ReplicaBatch, ScheduledSequence, StepOutcome
+from paxkv.scheduling.stopping import stop_after_token
+from paxkv.scheduling.swap_slots import HostSlotAllocator
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ def _run_order(request: Request) -> tuple[int, int]:
 
 class ReplicaScheduler:
     """FIFO continuous batching over one replica's pages: running requests first, then waiting ones, preempting the
-    newest when out of pages. paxkv.scheduler.Scheduler routes requests to one of these per data replica."""
+    newest when out of pages. paxkv.scheduling.scheduler.Scheduler routes requests to one of these per data replica."""
 
     def __init__(
         self,

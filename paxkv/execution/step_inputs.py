@@ -7,7 +7,7 @@ import numpy as np
 
 from models.paged_forward import bucket
 from pallas_kernels import AttentionMetadata
-from paxkv.scheduled_batch import ReplicaBatch
+from paxkv.scheduling.scheduled_batch import ReplicaBatch
 
 
 def power_of_two_bucket(n: int, maximum: int) -> int:

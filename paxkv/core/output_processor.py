@@ -1,7 +1,7 @@
 """OutputProcessor: the callers' side of each step: samples' seeds, streamed text and logprobs, RequestOutputs.
 
 It turns sampled tokens into text and output records, and finds stop strings in that text; what stops a
-request is decided and recorded by the scheduler alone (paxkv.stopping has the rules).
+request is decided and recorded by the scheduler alone (paxkv.scheduling.stopping has the rules).
 """
 
 import dataclasses
@@ -10,12 +10,12 @@ import time
 import jax
 import numpy as np
 
-from paxkv.distributed import host_value
-from paxkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from paxkv.request import Request
-from paxkv.scheduled_batch import ScheduledBatch
-from paxkv.scheduler import SchedulerInterface
-from paxkv.stopping import ended_by_stop_token, find_stop_string
+from paxkv.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from paxkv.parallel.distributed import host_value
+from paxkv.scheduling.request import Request
+from paxkv.scheduling.scheduled_batch import ScheduledBatch
+from paxkv.scheduling.scheduler import SchedulerInterface
+from paxkv.scheduling.stopping import ended_by_stop_token, find_stop_string
 
 
 class SampleState:

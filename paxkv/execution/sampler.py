@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxkv.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
+from paxkv.scheduling.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 _SEED_MOD = 2**32
 

@@ -1,0 +1,1 @@
+"""The engine and what it hands back: Engine, EngineConfig, the output processor, outputs and metrics."""
