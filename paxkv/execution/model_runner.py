@@ -76,7 +76,7 @@ class ModelRunner:
           batch: a batch the scheduler returned.
           seed_of: request id -> the seed of that sample.
         """
-        self._move_pages(batch)
+        self.move_pages(batch)
         start = time.monotonic()
         step_batch, with_logprobs = self.step_batch(batch, seed_of)
         inputs = step_batch.inputs
@@ -97,7 +97,7 @@ class ModelRunner:
         )
         return jax.tree.map(lambda leaf: leaf.reshape(leaf.shape[0] * leaf.shape[1], *leaf.shape[2:])[rows], sampled)
 
-    def _move_pages(self, batch: ScheduledBatch) -> None:
+    def move_pages(self, batch: ScheduledBatch) -> None:
         """Before the step: pages out to the host (preemption by swap), back in (resumption), copies on write."""
         swap_space = self.pool.swap_space
         for moves, direction in ((batch.swap_out, "out"), (batch.swap_in, "in")):

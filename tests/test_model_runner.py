@@ -1,0 +1,63 @@
+"""ModelRunner on its own: the StepBatch it lays out, the rows it returns, and the page moves it makes first."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from paxkv.config import EngineConfig
+from paxkv.execution.kv_pool import KVPool
+from paxkv.execution.model_runner import ModelRunner
+from paxkv.scheduling.preemption import PreemptionPolicy
+from paxkv.scheduling.request import Request
+from paxkv.scheduling.sampling_params import SamplingParams
+from paxkv.scheduling.scheduler import Scheduler
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory, make_tiny_llama):
+    path = tmp_path_factory.mktemp("tiny_runner")
+    make_tiny_llama().save_pretrained(path)
+    loaded = models.load(path, require_tokenizer=False)
+    config = EngineConfig(page_size=8, num_pages=32, max_num_seqs=4, max_num_batched_tokens=64)
+    pool = KVPool(loaded.config, config, jnp.float32, None)
+    policy = PreemptionPolicy("recompute", pool.bytes_per_page, 0)
+    runner = ModelRunner(loaded, pool, policy, config, max_model_len=64, mesh=None)
+    scheduler = Scheduler(
+        num_replicas=1, pages_per_replica=32, page_size=8, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64
+    )
+    return loaded, pool, runner, scheduler
+
+
+def test_a_batch_becomes_one_step_with_a_replica_axis_and_one_row_per_sequence(parts):
+    loaded, pool, runner, scheduler = parts
+    for index, length in enumerate([5, 11]):
+        scheduler.add_request(Request(f"r{index}", list(range(1, length + 1)), SamplingParams(temperature=0.0)))
+    batch = scheduler.schedule()
+    step_batch, with_logprobs = runner.step_batch(batch, lambda request_id: 0)
+    assert step_batch.num_replicas == 1 and not with_logprobs
+    assert step_batch.inputs.tokens.shape == (1, 16)  # 16 tokens in the T bucket of 16
+    assert step_batch.inputs.metadata.block_tables.shape == (1, 2, 8)  # S = 2 rows, 64 / 8 pages each
+    assert step_batch.token_counts is None and step_batch.suppress is None  # compiled away
+    sampled = runner.run(batch, lambda request_id: 0)
+    assert sampled.tokens.shape == (2,)
+    assert runner.step_shapes == {(16, 2, False, False, False)}
+    # Greedy tokens are the model's own argmax after each prompt.
+    for row, length in enumerate([5, 11]):
+        logits = loaded.score(list(range(1, length + 1)))
+        assert int(sampled.tokens[row]) == int(np.argmax(logits[-1]))
+
+
+def test_page_copies_happen_before_the_step(parts):
+    _, pool, runner, _ = parts
+    pool.kv_caches = [layer.at[3].set(7.0) for layer in pool.kv_caches]
+    runner.move_pages(_Moves(page_copies=[(3, 9)]))
+    for layer in pool.kv_caches:
+        assert float(jnp.min(layer[9])) == 7.0 == float(jnp.max(layer[9]))
+
+
+class _Moves:
+    """A batch that only moves pages."""
+
+    def __init__(self, page_copies=(), swap_out=(), swap_in=()):
+        self.page_copies, self.swap_out, self.swap_in = list(page_copies), list(swap_out), list(swap_in)
