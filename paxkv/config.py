@@ -1,4 +1,5 @@
-"""EngineConfig: page pool, budgets, context length, KV dtype and preemption, validated once."""
+"""The configs, validated once: EngineConfig (page pool, budgets, context, KV dtype, preemption, mesh) and
+LoadConfig (how the model is loaded). Their fields are the command line's flags."""
 
 import dataclasses
 import operator
@@ -9,33 +10,65 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 
 
+def option(default, help: str, *, flag: str | None = None, kind: str | None = None, choices=None):
+    """A config field that is also a command-line flag (paxkv.entrypoints.config_flags defines and reads them).
+
+    Args:
+      default: the field's default.
+      help: the flag's help (and the field's documentation).
+      flag: the flag's name when it is not the field's.
+      kind: "memory" for byte counts written as sizes (2GiB), "negated" for a bool the flag turns off.
+      choices: the values a string field may take (an enum flag).
+    """
+    metadata = {"help": help, "flag": flag, "kind": kind, "choices": choices}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """How the engine sizes its page pool and its batches, and what it does when pages run out."""
+    """How the engine sizes its page pool and its batches, and what it does when pages run out.
 
-    page_size: int = 16
-    # The whole pool (split evenly over data replicas): set directly, or derived from kv_cache_memory_bytes.
-    num_pages: int | None = None
-    kv_cache_memory_bytes: int = 1 << 30
-    # Per step and per data replica (with data=D, D batches of this size run side by side).
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None  # default: min(the model's context, 4096)
-    # "auto" (the parameters' dtype), "float32", "bfloat16", or 8-bit (FP8 or int8) with a
-    # bf16 scale per token and KV head, stored rotated (pallas_kernels/quantization.py).
-    kv_cache_dtype: str = "auto"
-    seed: int = 0  # draws seeds for requests that give none
-    enable_prefix_caching: bool = True  # share full prompt pages between requests (paxkv/scheduling/prefix_trie.py)
-    # Preemption: "recompute" frees a victim's pages, "swap" copies them to a host pool and back, "auto"
-    # picks the cheaper by measured prefill and transfer rates (swapping only when the host pool has room).
-    preemption_mode: str = "auto"
-    swap_space_bytes: int = 1 << 30  # the host pool for swapped pages; 0 turns swapping off
-    # Admission keeps this fraction of the pool free, so a new request does not at once force preemptions.
-    watermark: float = 0.01
-    # The device mesh, "data=D,model=M" or a dict; None puts every device on "model" (one device on CPU).
-    # data > 1 runs data-parallel replicas, each with its own share of the pool (paxkv/scheduling/scheduler.py).
-    # LLM and the CLI load the model onto it (paxkv.parallel.mesh.load_on_mesh).
-    mesh_shape: str | dict | None = None
+    Every field is a flag of the `paxkv` command line with the help given here.
+    """
+
+    page_size: int = option(16, "Tokens per KV page.")
+    num_pages: int | None = option(None, "Pages in the whole pool (split over data replicas); overrides the memory.")
+    kv_cache_memory_bytes: int = option(
+        1 << 30, "KV page pool budget, e.g. 512MiB, 2GiB or a byte count.", flag="kv_cache_memory", kind="memory"
+    )
+    max_num_seqs: int = option(32, "Most sequences in one step (per data replica).")
+    max_num_batched_tokens: int = option(512, "Most tokens in one step (per data replica).")
+    max_model_len: int | None = option(None, "Longest prompt plus output (default: min(model context, 4096)).")
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV pool dtype; auto is the parameters'; fp8 and int8 store a bf16 scale per token and KV head, rotated.",
+        choices=KV_CACHE_DTYPES,
+    )
+    seed: int = option(0, "Draws the seeds of requests that give none.", flag="engine_seed")
+    enable_prefix_caching: bool = option(
+        True,
+        "Turn off prefix caching (sharing full prompt pages between requests).",
+        flag="no_prefix_caching",
+        kind="negated",
+    )
+    preemption_mode: str = option(
+        "auto",
+        "When pages run out: recompute (free the pages), swap (to a host pool and back), or auto (the cheaper).",
+        choices=PREEMPTION_MODES,
+    )
+    swap_space_bytes: int = option(
+        1 << 30,
+        "Host memory for swapped-out pages, e.g. 4GiB; 0 turns swapping off.",
+        flag="swap_space",
+        kind="memory",
+    )
+    watermark: float = option(0.01, "Fraction of the pool admission keeps free, in [0, 1).")
+    mesh_shape: str | dict | None = option(
+        None,
+        "Device mesh, e.g. data=1,model=4 (default: every device on model; one device on CPU); data > 1 runs "
+        "data-parallel replicas, each with its own share of the pool.",
+        flag="mesh",
+    )
 
     def __post_init__(self):
         parse_mesh_shape(self.mesh_shape)  # raises on an unknown axis or a bad size
@@ -75,3 +108,16 @@ class EngineConfig:
             raise ValueError(
                 f"watermark is the fraction of pages admission keeps free, in [0, 1); got {self.watermark!r}"
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadConfig:
+    """How the command line loads the model (models.load's options, which validates them). Every field is a flag of
+    the `paxkv` command line; LLM takes the same names as keyword arguments."""
+
+    dtype: str = option("float32", "Parameter storage dtype.", choices=("float32", "bfloat16"))
+    attention_impl: str = option(
+        "auto",
+        "Attention implementation: the backend's kernel, a kernel, the interpreter, or XLA.",
+        choices=("auto", "pallas", "interpret", "xla"),
+    )

@@ -309,7 +309,7 @@ def model_config(name: str):
 
 def run_step_programs(args, tpu: deviceless.Target) -> tuple[list[dict], dict]:
     """Compile engine_step for the model on the target's mesh; rows per (T, S) program, and the setup."""
-    from paxkv.entrypoints.run import parse_memory_size
+    from paxkv.entrypoints.config_flags import parse_memory_size
     from paxkv.execution import aot
     from paxkv.parallel.mesh import make_mesh, parse_mesh_shape
 

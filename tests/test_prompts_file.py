@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from paxkv.entrypoints.config_flags import parse_memory_size
 from paxkv.entrypoints.prompts_file import BadLine, PromptLine, parse_line, parse_lines
-from paxkv.entrypoints.run import parse_memory_size
 
 
 def test_a_line_takes_the_flags_as_defaults_and_overrides_them():

@@ -6,10 +6,12 @@ paxkv --prompts_file prompts.jsonl --output results.jsonl --max_num_seqs 64
 
 import io
 import json
-import re
 import sys
 
 from absl import app, flags, logging
+
+from paxkv.config import EngineConfig, LoadConfig
+from paxkv.entrypoints.config_flags import config_from_flags, define_flags, parse_memory_size
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "HF folder, .gguf file or orbax folder; default: the embedded SmolLM2.")
@@ -31,36 +33,15 @@ flags.DEFINE_float("top_p", None, "Nucleus sampling mass in (0, 1] (default 1: o
 flags.DEFINE_integer("top_k", None, "Keep the k most likely tokens; 0 or -1 is off (default).")
 flags.DEFINE_float("min_p", None, "Drop tokens below min_p times the top probability (default 0: off).")
 flags.DEFINE_integer("seed", None, "Sampling seed for every request (default: the engine draws one per request).")
-# Engine.
-flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
-flags.DEFINE_string("kv_cache_memory", "1GiB", "KV page pool budget, e.g. 512MiB, 2GiB or a byte count.")
-flags.DEFINE_integer("num_pages", None, "Pages in the pool (overrides --kv_cache_memory).")
-flags.DEFINE_integer("max_num_seqs", 32, "Most sequences in one step.")
-flags.DEFINE_integer("max_num_batched_tokens", 512, "Most tokens in one step.")
-flags.DEFINE_integer("max_model_len", None, "Longest prompt plus output (default: min(model context, 4096)).")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter storage dtype.")
-flags.DEFINE_enum(
-    "kv_cache_dtype",
-    "auto",
-    ["auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"],
-    "KV pool dtype; auto is --dtype; fp8 and int8 store a bf16 scale per token and KV head.",
-)
-flags.DEFINE_bool("no_prefix_caching", False, "Turn off prefix caching (sharing full prompt pages between requests).")
-flags.DEFINE_enum(
-    "preemption_mode", "auto", ["auto", "recompute", "swap"], "When pages run out: recompute, swap, or the cheaper."
-)
-flags.DEFINE_string("swap_space", "1GiB", "Host memory for swapped-out pages, e.g. 4GiB; 0 turns swapping off.")
-flags.DEFINE_float("watermark", 0.01, "Fraction of the pool admission keeps free, in [0, 1).")
-flags.DEFINE_string(
-    "mesh", None, "Device mesh, e.g. data=1,model=4 (default: every device on model; one device on CPU)."
-)
+# Engine and model loading: one flag per field of EngineConfig and LoadConfig, with its default and help.
+define_flags(EngineConfig)
+define_flags(LoadConfig)
 flags.DEFINE_string("coordinator_address", None, "Multi-process: process 0's HOST:PORT, the same on every process.")
 flags.DEFINE_integer("num_processes", None, "Multi-process: how many processes take part.")
 flags.DEFINE_integer("process_id", None, "Multi-process: this process's index in [0, num_processes).")
 flags.DEFINE_integer("distributed_timeout", 300, "Multi-process: seconds to wait for every process to join.")
 flags.DEFINE_bool("distributed_auto", False, "Multi-process: let JAX find the cluster (TPU pod slices, SLURM).")
 flags.DEFINE_bool("plan", False, "Print the KV memory plan for --model (a config.json is enough) and exit.")
-flags.DEFINE_enum("attention_impl", "auto", ["auto", "pallas", "interpret", "xla"], "Attention implementation.")
 flags.DEFINE_string(
     "compilation_cache_dir",
     None,
@@ -68,28 +49,6 @@ flags.DEFINE_string(
     "(default $PAXKV_COMPILATION_CACHE_DIR or ~/.cache/paxkv/jax_compilation_cache).",
 )
 flags.DEFINE_string("metrics_json", None, "Write the engine's metrics and the run summary to this JSON file.")
-
-_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20}
-_SIZE_UNITS.update({"g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40})
-
-
-def parse_memory_size(text: str) -> int:
-    """Bytes from a size such as "512MiB", "2GiB", "1.5G" or "1000000".
-
-    Args:
-      text: a number with an optional unit (B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB; case-insensitive).
-    """
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match and match.group(2).lower()
-    if not match or unit not in _SIZE_UNITS:
-        raise ValueError(f"cannot read {text!r} as a memory size; write e.g. 512MiB, 2GiB or a byte count")
-    try:
-        size = int(float(match.group(1)) * _SIZE_UNITS[unit])
-    except OverflowError:
-        raise ValueError(f"memory size {text!r} is too large") from None
-    if size < 1:
-        raise ValueError(f"memory size {text!r} is not positive")
-    return size
 
 
 def _sampling_defaults() -> dict:
@@ -240,23 +199,8 @@ def main(argv):
         sys.exit(f"paxkv: {e}")
     lines = _collect_lines(_sampling_defaults())
     try:
-        engine_config_kwargs = dict(
-            page_size=FLAGS.page_size,
-            num_pages=FLAGS.num_pages,
-            kv_cache_memory_bytes=parse_memory_size(FLAGS.kv_cache_memory),
-            max_num_seqs=FLAGS.max_num_seqs,
-            max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-            max_model_len=FLAGS.max_model_len,
-            kv_cache_dtype=FLAGS.kv_cache_dtype,
-            enable_prefix_caching=not FLAGS.no_prefix_caching,
-            preemption_mode=FLAGS.preemption_mode,
-            swap_space_bytes=0 if FLAGS.swap_space.strip() == "0" else parse_memory_size(FLAGS.swap_space),
-            watermark=FLAGS.watermark,
-            mesh_shape=FLAGS.mesh,
-        )
-        from paxkv.config import EngineConfig
-
-        engine_config = EngineConfig(**engine_config_kwargs)
+        engine_config = config_from_flags(EngineConfig)
+        load_config = config_from_flags(LoadConfig)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
 
@@ -269,7 +213,7 @@ def main(argv):
     enable_compilation_cache(FLAGS.compilation_cache_dir)
     try:
         loaded = load_on_mesh(
-            FLAGS.model, engine_config.mesh_shape, dtype=FLAGS.dtype, attention_impl=FLAGS.attention_impl
+            FLAGS.model, engine_config.mesh_shape, dtype=load_config.dtype, attention_impl=load_config.attention_impl
         )
         engine = Engine(loaded, engine_config)
     except (CheckpointError, ValueError) as e:
