@@ -76,3 +76,28 @@ def make_tiny_llama():
         return transformers.LlamaForCausalLM(config).eval()
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_checkpoint(make_tiny_llama, tmp_path_factory):
+    """A folder holding make_tiny_llama(**overrides) saved by transformers, written once per worker per overrides.
+
+    tiny_llama_checkpoint() is TINY_LLAMA itself; most engine tests take engine_llama_checkpoint.
+    """
+    saved = {}
+
+    def checkpoint(seed: int = 0, **overrides):
+        key = (seed, tuple(sorted(overrides.items())))
+        if key not in saved:
+            path = tmp_path_factory.mktemp("tiny_llama")
+            make_tiny_llama(seed, **overrides).save_pretrained(path)
+            saved[key] = path
+        return saved[key]
+
+    return checkpoint
+
+
+@pytest.fixture(scope="session")
+def engine_llama_checkpoint(tiny_llama_checkpoint):
+    """The engine tests' tiny Llama: a 512-token context, and weights large enough that greedy ties are rare."""
+    return tiny_llama_checkpoint(max_position_embeddings=512, initializer_range=0.1)

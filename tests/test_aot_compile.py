@@ -92,7 +92,7 @@ def test_engine_step_compiles_for_tpu_and_reports_memory(tmp_path):
 
 @pytest.mark.parametrize("target,mesh", [("tpu-v5e", "data=1,model=4"), ("tpu-v6e", "data=1,model=8")])
 def test_sharded_engine_step_compiles_for_tpu(tmp_path, target, mesh):
-    """A Llama-3-8B-shaped step (4 of its layers, for time) on model=4 and model=8 meshes: the Pallas kernel runs
+    """A Llama-3-8B-shaped step (2 of its layers, for time) on model=4 and model=8 meshes: the Pallas kernel runs
     per shard with every mesh axis manual (libtpu refuses to partition a Mosaic call), and each chip holds its
     share of the pool."""
     result = _aot(
@@ -100,7 +100,7 @@ def test_sharded_engine_step_compiles_for_tpu(tmp_path, target, mesh):
         f"--target={target}",
         "--model=llama3-8b",
         f"--mesh={mesh}",
-        "--num_layers=4",
+        "--num_layers=2",
         "--buckets=largest",
         "--kv_cache_memory=16GiB",
     )
@@ -111,12 +111,10 @@ def test_sharded_engine_step_compiles_for_tpu(tmp_path, target, mesh):
     assert pool_per_chip < step["argument_bytes"] < pool_per_chip + 2**30  # the pool's shard plus the weights'
 
 
-def test_a_step_too_big_for_the_device_is_refused_at_start(tmp_path_factory, make_tiny_llama, monkeypatch):
+def test_a_step_too_big_for_the_device_is_refused_at_start(tiny_llama_checkpoint, monkeypatch):
     """Where the device reports a memory limit, Engine compiles its largest step at start and refuses to run
     when the step cannot fit beside the weights and the pool."""
-    path = tmp_path_factory.mktemp("tiny_fit")
-    make_tiny_llama().save_pretrained(path)
-    loaded = models.load(path, require_tokenizer=False)
+    loaded = models.load(tiny_llama_checkpoint(), require_tokenizer=False)
     config = EngineConfig(num_pages=16, page_size=8, max_num_seqs=4, max_num_batched_tokens=64)
     monkeypatch.setattr("paxkv.execution.model_runner.device_memory", lambda mesh: (2**30, 2**30 - 1000))
     with pytest.raises(ValueError, match=r"largest step \(T=64 tokens, S=4 rows.*lower kv_cache_memory_bytes"):
@@ -127,13 +125,11 @@ def test_a_step_too_big_for_the_device_is_refused_at_start(tmp_path_factory, mak
 
 
 @pytest.mark.parametrize("mesh_shape", ["data=2,model=2", "data=1,model=2"])
-def test_the_start_check_compiles_the_engines_own_step_program(tmp_path_factory, make_tiny_llama, mesh_shape):
+def test_the_start_check_compiles_the_engines_own_step_program(tiny_llama_checkpoint, mesh_shape):
     """The largest step compiled ahead of time from a live engine's state (with D = 2 replicas, or 1) holds the
     pool's shard as a donated, aliased argument."""
-    path = tmp_path_factory.mktemp("tiny_mesh")
-    make_tiny_llama(num_key_value_heads=2).save_pretrained(path)
     mesh = make_mesh(mesh_shape)
-    loaded = models.load(path, mesh=mesh, require_tokenizer=False)
+    loaded = models.load(tiny_llama_checkpoint(), mesh=mesh, require_tokenizer=False)
     engine = Engine(loaded, EngineConfig(num_pages=32, page_size=8, max_num_seqs=4, max_num_batched_tokens=32))
     state = AbstractEngine(
         loaded.graphdef, loaded.state, engine.kv_caches, 8, engine.runner.pages_per_seq, loaded.config.vocab_size, mesh

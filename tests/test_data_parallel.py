@@ -15,6 +15,7 @@ import models
 from paxkv import LLM
 from paxkv.config import EngineConfig
 from paxkv.core.engine import Engine
+from paxkv.entrypoints.batch_runner import drain
 from paxkv.execution.swap import HostSwapSpace
 from paxkv.parallel.mesh import make_mesh, parse_mesh_shape
 from paxkv.scheduling.request import Request
@@ -23,18 +24,16 @@ from paxkv.scheduling.scheduler import Scheduler
 
 
 @pytest.fixture(scope="module")
-def four_kv_heads(tmp_path_factory, make_tiny_llama):
+def four_kv_heads(tiny_llama_checkpoint):
     """A tiny Llama whose 4 KV heads (8 query heads) split over model = 2."""
-    path = tmp_path_factory.mktemp("dp_llama")
-    make_tiny_llama(
+    return tiny_llama_checkpoint(
         hidden_size=128,
         num_attention_heads=8,
         num_key_value_heads=4,
         head_dim=16,
         intermediate_size=256,
         initializer_range=0.1,
-    ).save_pretrained(path)
-    return path
+    )
 
 
 def _prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -50,14 +49,9 @@ def _run(loaded, prompts, *, params=None, **config) -> tuple[Engine, dict[str, l
         sampling = (params or {}).get(index, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
         engine.add_request(str(index), prompt, sampling)
     engine.placements = {r.request_id: getattr(r, "replica", 0) for r in engine.scheduler.waiting}
-    engine.logprobs = {}
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                outputs[output.request_id] = [c.token_ids for c in output.outputs]
-                engine.logprobs[output.request_id] = [c.logprobs for c in output.outputs]
-        engine.scheduler.check_page_invariants()
+    finished = drain(engine, on_step=lambda _: engine.scheduler.check_page_invariants())
+    outputs = {request_id: [c.token_ids for c in output.outputs] for request_id, output in finished.items()}
+    engine.logprobs = {request_id: [c.logprobs for c in output.outputs] for request_id, output in finished.items()}
     assert engine.scheduler.num_used_pages == engine.metrics.kv_pages_cached_idle  # no page leaked
     return engine, outputs
 
@@ -125,14 +119,11 @@ def test_prefix_caching_routes_shared_prompts_to_the_replica_that_holds_them(fou
     engine.add_request("0", prompts[0], greedy)
     engine.add_request("1", prompts[1], greedy)
     assert [r.replica for r in engine.scheduler.waiting] == [0, 1]  # least loaded
-    while engine.has_unfinished_requests():
-        engine.step()
+    drain(engine)
     for index in range(2, len(prompts)):  # the shared prefix now lies cached on replica 1
         engine.add_request(str(index), prompts[index], greedy)
     assert {r.replica for r in engine.scheduler.waiting} == {1}
-    outputs = {}
-    while engine.has_unfinished_requests():
-        outputs.update({o.request_id: [c.token_ids for c in o.outputs] for o in engine.step() if o.finished})
+    outputs = {request_id: [c.token_ids for c in o.outputs] for request_id, o in drain(engine).items()}
     assert outputs == {str(i): expected[str(i)] for i in range(2, len(prompts))}
     assert engine.metrics.prefix_hit_tokens >= 4 * 24
 

@@ -3,10 +3,12 @@
 import numpy as np
 import pytest
 import torch
+import transformers
 
 import models
 from paxkv.config import EngineConfig
 from paxkv.core.engine import Engine
+from paxkv.entrypoints.batch_runner import drain
 from paxkv.execution.step import num_step_compilations
 from paxkv.execution.step_inputs import num_buckets
 from paxkv.scheduling.sampling_params import SamplingParams
@@ -15,12 +17,10 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, make_tiny_llama):
+def tiny(engine_llama_checkpoint):
     """A tiny random Llama saved by transformers, and the same model loaded by paxkv."""
-    torch_model = make_tiny_llama(max_position_embeddings=512, initializer_range=0.1)
-    path = tmp_path_factory.mktemp("tiny")
-    torch_model.save_pretrained(path)
-    return torch_model, models.load(path, require_tokenizer=False)
+    torch_model = transformers.LlamaForCausalLM.from_pretrained(engine_llama_checkpoint).eval()
+    return torch_model, models.load(engine_llama_checkpoint, require_tokenizer=False)
 
 
 def _prompts() -> list[list[int]]:
@@ -100,12 +100,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny):
         engine = Engine(loaded, config)
         for index in selected:
             engine.add_request(str(index), prompts[index], params)
-        results = {}
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.finished:
-                    results[output.request_id] = output.outputs[0].token_ids
-        return results
+        return {request_id: output.outputs[0].token_ids for request_id, output in drain(engine).items()}
 
     together = run(range(6))
     assert run([2])["2"] == together["2"]
@@ -126,7 +121,5 @@ def test_bad_requests_are_rejected_without_harming_others(tiny):
         engine.add_request("long", list(range(200)), params)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("good", [4], params)
-    finished = []
-    while engine.has_unfinished_requests():
-        finished += [o for o in engine.step() if o.finished]
-    assert [o.request_id for o in finished] == ["good"] and len(finished[0].outputs[0].token_ids) == 4
+    finished = drain(engine)
+    assert list(finished) == ["good"] and len(finished["good"].outputs[0].token_ids) == 4

@@ -12,11 +12,9 @@ NEW_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory, make_tiny_llama):
+def tiny_path(engine_llama_checkpoint):
     """A tiny random Llama (4 query heads over 2 KV heads, head_dim 16) saved by transformers."""
-    path = tmp_path_factory.mktemp("tiny_kernels")
-    make_tiny_llama(max_position_embeddings=512, initializer_range=0.1).save_pretrained(path)
-    return path
+    return engine_llama_checkpoint
 
 
 def _greedy(path, attention_impl: str) -> dict[str, list[int]]:

@@ -3,30 +3,20 @@
 import numpy as np
 import pytest
 import torch
+import transformers
 
 import models
 from paxkv.config import EngineConfig
 from paxkv.core.engine import Engine
+from paxkv.entrypoints.batch_runner import drain
 from paxkv.scheduling.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, make_tiny_llama):
+def tiny(engine_llama_checkpoint):
     """A tiny random Llama saved by transformers, and the same model loaded by paxkv."""
-    torch_model = make_tiny_llama(max_position_embeddings=512, initializer_range=0.1)
-    path = tmp_path_factory.mktemp("tiny_outputs")
-    torch_model.save_pretrained(path)
-    return torch_model, models.load(path, require_tokenizer=False)
-
-
-def _drain(engine: Engine) -> dict:
-    """Step until every request finishes; return the finished outputs by request id."""
-    finished = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-    return finished
+    torch_model = transformers.LlamaForCausalLM.from_pretrained(engine_llama_checkpoint).eval()
+    return torch_model, models.load(engine_llama_checkpoint, require_tokenizer=False)
 
 
 def test_top_logprobs_match_transformers(tiny):
@@ -34,7 +24,7 @@ def test_top_logprobs_match_transformers(tiny):
     prompt = np.random.default_rng(1).integers(0, 256, 37).tolist()
     engine = Engine(loaded, EngineConfig(num_pages=64, max_num_seqs=4))
     engine.add_request("a", prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5))
-    completion = _drain(engine)["a"].outputs[0]
+    completion = drain(engine)["a"].outputs[0]
     with torch.no_grad():
         logits = torch_model(torch.tensor([prompt + completion.token_ids])).logits[0]
     reference = torch.log_softmax(logits.double(), dim=-1)[len(prompt) - 1 : -1]  # [6, vocab]
@@ -56,7 +46,7 @@ def test_logprobs_zero_gives_the_sampled_token_only_with_its_rank(tiny):
     engine = Engine(loaded, EngineConfig(num_pages=64, max_num_seqs=4))
     params = SamplingParams(temperature=5.0, seed=3, max_tokens=8, ignore_eos=True, logprobs=0)
     engine.add_request("a", prompt, params)
-    completion = _drain(engine)["a"].outputs[0]
+    completion = drain(engine)["a"].outputs[0]
     with torch.no_grad():
         logits = torch_model(torch.tensor([prompt + completion.token_ids])).logits[0].double()
     reference = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
@@ -75,7 +65,7 @@ def test_metrics_count_tokens_pages_and_waste(tiny):
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     engine.add_request("a", list(range(1, 21)), params)  # 20 + 10 tokens: 2 pages
     engine.add_request("b", list(range(1, 4)), params)  # 3 + 10 tokens: 1 page
-    finished = _drain(engine)
+    finished = drain(engine)
     metrics = engine.metrics
     assert metrics.num_requests == metrics.num_finished_requests == 2
     assert metrics.num_prompt_tokens == 23 and metrics.num_generated_tokens == 20
@@ -165,7 +155,7 @@ def test_peak_pages_count_requests_that_finish_in_their_first_step(tiny):
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     engine.add_request("a", list(range(1, 21)), params)  # 2 pages
     engine.add_request("b", list(range(1, 4)), params)  # 1 page
-    _drain(engine)
+    drain(engine)
     assert engine.metrics.num_steps == 1 and engine.metrics.peak_kv_pages_used == 3
     assert engine.metrics.kv_pages_used == 0
 
@@ -176,9 +166,9 @@ def test_stop_token_sets_stop_reason_without_a_tokenizer(tiny):
     engine = Engine(loaded, EngineConfig(num_pages=32, max_num_seqs=4))
     greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     engine.add_request("free", [3, 1, 4, 1, 5], greedy)
-    first_token = _drain(engine)["free"].outputs[0].token_ids[0]
+    first_token = drain(engine)["free"].outputs[0].token_ids[0]
     stopping = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, stop_token_ids=[first_token])
     engine.add_request("stopped", [3, 1, 4, 1, 5], stopping)
-    completion = _drain(engine)["stopped"].outputs[0]
+    completion = drain(engine)["stopped"].outputs[0]
     assert completion.token_ids == [first_token]
     assert completion.finish_reason == "stop" and completion.stop_reason == first_token

@@ -31,13 +31,13 @@ def test_sharded_safetensors_load_like_one_file(tiny_llama, tmp_path):
         np.testing.assert_array_equal(sharded[path], single[path], err_msg=str(path))
 
 
-def test_hf_folder_loads_onto_a_mesh(tiny_llama, tmp_path):
-    tiny_llama.save_pretrained(tmp_path / "m")
+def test_hf_folder_loads_onto_a_mesh(tiny_llama_checkpoint):
+    folder = tiny_llama_checkpoint()
     mesh = jax.make_mesh(
         (2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=jax.devices()[:4]
     )
-    plain = models.load(tmp_path / "m", require_tokenizer=False)
-    on_mesh = models.load(tmp_path / "m", mesh=mesh, require_tokenizer=False)
+    plain = models.load(folder, require_tokenizer=False)
+    on_mesh = models.load(folder, mesh=mesh, require_tokenizer=False)
     expected = {"q_proj": P(None, "model", None), "o_proj": P("model", None, None), "down": P("model", None)}
     plain_values = _flat(plain)
     for path, variable in nnx.to_flat_state(on_mesh.state):

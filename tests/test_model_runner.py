@@ -15,10 +15,8 @@ from paxkv.scheduling.scheduler import Scheduler
 
 
 @pytest.fixture(scope="module")
-def parts(tmp_path_factory, make_tiny_llama):
-    path = tmp_path_factory.mktemp("tiny_runner")
-    make_tiny_llama().save_pretrained(path)
-    loaded = models.load(path, require_tokenizer=False)
+def parts(tiny_llama_checkpoint):
+    loaded = models.load(tiny_llama_checkpoint(), require_tokenizer=False)
     config = EngineConfig(page_size=8, num_pages=32, max_num_seqs=4, max_num_batched_tokens=64)
     pool = KVPool(loaded.config, config, jnp.float32, None)
     policy = PreemptionPolicy("recompute", pool.bytes_per_page, 0)

@@ -9,6 +9,7 @@ import models
 from pallas_kernels import QuantizedKVPages
 from paxkv.config import EngineConfig
 from paxkv.core.engine import Engine
+from paxkv.entrypoints.batch_runner import drain
 from paxkv.execution.swap import HostSwapSpace
 from paxkv.scheduling.preemption import PreemptionPolicy
 from paxkv.scheduling.sampling_params import SamplingParams
@@ -18,10 +19,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory, make_tiny_llama):
-    path = tmp_path_factory.mktemp("tiny_pressure")
-    make_tiny_llama(max_position_embeddings=512, initializer_range=0.1).save_pretrained(path)
-    return models.load(path, require_tokenizer=False)
+def loaded(engine_llama_checkpoint):
+    return models.load(engine_llama_checkpoint, require_tokenizer=False)
 
 
 def _pool(dtype: str, num_pages=12):
@@ -139,8 +138,7 @@ def test_lowest_priority_is_preempted_first(loaded, caplog):
             request_id, prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), priority=priority
         )
     with caplog.at_level("INFO", logger="paxkv.scheduling.replica_scheduler"):
-        while engine.has_unfinished_requests():
-            engine.step()
+        drain(engine)
     victims = [r.getMessage().split("'")[1] for r in caplog.records if "preempted request" in r.getMessage()]
     assert victims and victims[0] == "r0"  # the oldest, but the lowest priority (5)
 
@@ -156,8 +154,7 @@ def test_watermark_holds_admissions_back(loaded):
             engine.add_request(request_id, prompt, GREEDY)
         engine.step()
         admitted[watermark] = [r.request_id for r in engine.scheduler.running]
-        while engine.has_unfinished_requests():
-            engine.step()
+        drain(engine)
         assert engine.metrics.num_finished_requests == 2
     # a takes 8 pages, leaving 12; b needs 5, which would leave 7 < 8.
     assert admitted == {0.0: ["a", "b"], 0.4: ["a"]}
@@ -170,10 +167,15 @@ def test_overload_soak(loaded):
     prompts = _prompts(rng, lengths)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     demand = sum(-(-(n + 10) // PAGE) for n in lengths)
-    # Every request may run at once, so running them all needs `demand` pages; the pool has a quarter.
-    budget = dict(max_num_seqs=256, max_num_batched_tokens=256)
-    expected, _ = _run(_engine(loaded, num_pages=demand + 1, **budget), prompts, params)
-    engine = _engine(loaded, num_pages=demand // 4, watermark=0.01, **budget)
+    # Every request may run at once, so running them all needs `demand` pages; the pool has a quarter. The
+    # reference runs 16 at a time in the same pool, never preempted (16 requests of at most 9 pages fit), so
+    # both runs share one pool shape and the programs compiled for it.
+    num_pages = demand // 4
+    assert 16 * -(-(max(lengths) + 10) // PAGE) < num_pages
+    reference = _engine(loaded, num_pages=num_pages, max_num_seqs=16, max_num_batched_tokens=256)
+    expected, _ = _run(reference, prompts, params)
+    assert reference.metrics.num_preemptions == 0
+    engine = _engine(loaded, num_pages=num_pages, watermark=0.01, max_num_seqs=256, max_num_batched_tokens=256)
     abort_ids = rng.choice(sorted(prompts), 20, replace=False)
     aborts = {}
     for step, request_id in zip(rng.integers(0, 40, 20), abort_ids, strict=True):
@@ -186,15 +188,14 @@ def test_overload_soak(loaded):
         assert tokens == expected[request_id], request_id
     metrics = engine.metrics
     assert metrics.num_preemptions > 0 and len(aborted) >= 15
-    assert metrics.kv_pages_used == 0 and metrics.kv_pages_free + metrics.kv_pages_cached_idle == demand // 4 - 1
+    assert metrics.kv_pages_used == 0 and metrics.kv_pages_free + metrics.kv_pages_cached_idle == num_pages - 1
     if engine.pool.swap_space is not None:
         assert engine.pool.swap_space.slots.num_free_slots == engine.pool.swap_space.slots.num_slots
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
-def test_8_bit_pool_runs_on_the_xla_and_interpreted_paths(tmp_path_factory, make_tiny_llama, kv_cache_dtype):
-    path = tmp_path_factory.mktemp("tiny_fp8")
-    make_tiny_llama(max_position_embeddings=512, initializer_range=0.1).save_pretrained(path)
+def test_8_bit_pool_runs_on_the_xla_and_interpreted_paths(engine_llama_checkpoint, kv_cache_dtype):
+    path = engine_llama_checkpoint
     prompts = _prompts(np.random.default_rng(5), [20, 7, 33])
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
 
@@ -205,10 +206,7 @@ def test_8_bit_pool_runs_on_the_xla_and_interpreted_paths(tmp_path_factory, make
         )
         for request_id, prompt in prompts.items():
             engine.add_request(request_id, prompt, params)
-        outputs = {}
-        while engine.has_unfinished_requests():
-            outputs.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
-        return engine, outputs
+        return engine, {request_id: output.outputs[0] for request_id, output in drain(engine).items()}
 
     engine, xla = run("xla", kv_cache_dtype)
     assert isinstance(engine.kv_caches[0], QuantizedKVPages)

@@ -6,6 +6,7 @@ import pytest
 import models
 from paxkv.config import EngineConfig
 from paxkv.core.engine import Engine
+from paxkv.entrypoints.batch_runner import drain
 from paxkv.scheduling.sampling_params import SamplingParams
 
 PAGE = 16
@@ -13,10 +14,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory, make_tiny_llama):
+def loaded(tiny_llama_checkpoint):
     """A tiny random Llama (saved by transformers) with a 2,048-token context."""
-    path = tmp_path_factory.mktemp("tiny_prefix")
-    make_tiny_llama(max_position_embeddings=2048, initializer_range=0.1).save_pretrained(path)
+    path = tiny_llama_checkpoint(max_position_embeddings=2048, initializer_range=0.1)
     return models.load(path, require_tokenizer=False)
 
 
@@ -29,13 +29,8 @@ def _run(engine: Engine, prompts: dict[str, list[int]], params=GREEDY, salts=Non
     """Add every prompt, step to the end; return each request's completions' token ids."""
     for request_id, prompt in prompts.items():
         engine.add_request(request_id, prompt, params, cache_salt=(salts or {}).get(request_id))
-    results = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                results[output.request_id] = [c.token_ids for c in output.outputs]
-        engine.scheduler.check_page_invariants()
-    return results
+    finished = drain(engine, on_step=lambda _: engine.scheduler.check_page_invariants())
+    return {request_id: [c.token_ids for c in output.outputs] for request_id, output in finished.items()}
 
 
 def _tokens(rng, n):

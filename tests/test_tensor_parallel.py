@@ -17,23 +17,22 @@ from pallas_kernels import AttentionMetadata
 from paxkv import LLM
 from paxkv.config import EngineConfig
 from paxkv.core.engine import Engine
+from paxkv.entrypoints.batch_runner import drain
 from paxkv.parallel.mesh import make_mesh, parse_mesh_shape
 from paxkv.scheduling.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def eight_kv_heads(tmp_path_factory, make_tiny_llama):
+def eight_kv_heads(tiny_llama_checkpoint):
     """A tiny Llama whose 8 KV heads (16 query heads) split over model = 1, 2, 4 or 8."""
-    path = tmp_path_factory.mktemp("tp_llama")
-    make_tiny_llama(
+    return tiny_llama_checkpoint(
         hidden_size=128,
         num_attention_heads=16,
         num_key_value_heads=8,
         head_dim=16,
         intermediate_size=256,
         initializer_range=0.1,
-    ).save_pretrained(path)
-    return path
+    )
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:
@@ -45,10 +44,8 @@ def _greedy(loaded, prompts, **config) -> tuple[Engine, list[list[int]]]:
     engine = Engine(loaded, EngineConfig(page_size=8, num_pages=64, max_num_seqs=4, **config))
     for index, prompt in enumerate(prompts):
         engine.add_request(str(index), prompt, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
-    outputs = {}
-    while engine.has_unfinished_requests():
-        outputs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-    return engine, [outputs[str(i)] for i in range(len(prompts))]
+    outputs = drain(engine)
+    return engine, [outputs[str(i)].outputs[0].token_ids for i in range(len(prompts))]
 
 
 def _on_mesh(path, model_size: int, **load_kwargs):
@@ -129,10 +126,7 @@ def test_swap_preemption_and_forks_on_the_mesh(eight_kv_heads):
         for index, prompt in enumerate(prompts):
             n = 2 if index == 0 else 1
             engine.add_request(str(index), prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=n))
-        outputs = {}
-        while engine.has_unfinished_requests():
-            outputs.update({o.request_id: [c.token_ids for c in o.outputs] for o in engine.step() if o.finished})
-        return engine, outputs
+        return engine, {i: [c.token_ids for c in o.outputs] for i, o in drain(engine).items()}
 
     _, expected = run(models.load(eight_kv_heads, require_tokenizer=False))
     engine, outputs = run(_on_mesh(eight_kv_heads, 4))
@@ -170,12 +164,12 @@ def test_smollm2_replicates_its_three_kv_heads_on_model_2(caplog):
     assert spec_of(state["gate"]) == (None, "model")  # the MLP is still split
 
 
-def test_replicated_attention_leaves_one_all_reduce_per_layer(tmp_path, make_tiny_llama):
+def test_replicated_attention_leaves_one_all_reduce_per_layer(tiny_llama_checkpoint):
     """SmolLM2's shape in small (9 query and 3 KV heads) on model=2: only the MLP's all-reduce per layer remains."""
-    make_tiny_llama(
+    path = tiny_llama_checkpoint(
         hidden_size=144, num_attention_heads=9, num_key_value_heads=3, head_dim=16, initializer_range=0.1
-    ).save_pretrained(tmp_path)
-    loaded = _on_mesh(tmp_path, 2)
+    )
+    loaded = _on_mesh(path, 2)
     counts = _collectives(loaded)
     assert counts["all-reduce"] == loaded.config.num_layers + 1, counts  # the MLP's, and the embedding's
 

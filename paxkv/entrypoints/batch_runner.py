@@ -35,21 +35,22 @@ def encode_chat(tokenizer, messages) -> tuple[str, list[int]]:
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
-def drain(engine: Engine, num_requests: int, *, progress: bool = False, on_output=None) -> dict:
+def drain(engine: Engine, num_requests: int | None = None, *, progress: bool = False, on_step=None) -> dict:
     """Step the engine until no request is left; return the finished RequestOutputs by request id.
 
     Args:
       engine: the engine to drive.
-      num_requests: how many requests will finish (the progress bar's total).
+      num_requests: how many requests will finish (the progress bar's total), if known.
       progress: show a tqdm bar of finished requests on stderr.
-      on_output: called with every RequestOutput a step returns, finished or not.
+      on_step: called after every step with the RequestOutputs it returned, finished or not.
     """
     finished = {}
     with tqdm(total=num_requests, disable=not progress, desc="requests", unit="req") as bar:
         while engine.has_unfinished_requests():
-            for output in engine.step():
-                if on_output is not None:
-                    on_output(output)
+            outputs = engine.step()
+            if on_step is not None:
+                on_step(outputs)
+            for output in outputs:
                 if output.finished:
                     finished[output.request_id] = output
                     bar.update(1)
@@ -120,16 +121,17 @@ def run_lines(
     stops = lines[admitted[stream_id]].sampling_params.stop if stream_id is not None else ()
     holdback = max((len(stop) for stop in stops), default=1) - 1
 
-    def stream(output) -> None:
-        if output.request_id != stream_id:
-            return
-        text = output.outputs[0].text
-        ready = len(text) if output.finished else max(streamed["chars"], len(text) - holdback)
-        stream_to.write(text[streamed["chars"] : ready] + ("\n" if output.finished else ""))
-        stream_to.flush()
-        streamed["chars"] = ready
+    def stream(outputs) -> None:
+        for output in outputs:
+            if output.request_id != stream_id:
+                continue
+            text = output.outputs[0].text
+            ready = len(text) if output.finished else max(streamed["chars"], len(text) - holdback)
+            stream_to.write(text[streamed["chars"] : ready] + ("\n" if output.finished else ""))
+            stream_to.flush()
+            streamed["chars"] = ready
 
-    for request_id, output in drain(engine, len(admitted), progress=progress, on_output=stream).items():
+    for request_id, output in drain(engine, len(admitted), progress=progress, on_step=stream).items():
         index = admitted[request_id]
         records[index] = result_record(lines[index].line_number, request_id, output)
     return [records[index] for index in range(len(lines))], time.perf_counter() - start

@@ -10,6 +10,7 @@ from paxkv.scheduling.page_sharing import PrefixSharing, SampleForks, check_page
 from paxkv.scheduling.preemption import PreemptionPolicy
 from paxkv.scheduling.prefix_trie import PrefixTrie
 from paxkv.scheduling.request import Request, RequestStatus
+from paxkv.scheduling.request_checks import check_fits_replica
 from paxkv.scheduling.scheduled_batch import ReplicaBatch, ScheduledSequence, StepOutcome
 from paxkv.scheduling.stopping import stop_after_token
 from paxkv.scheduling.swap_slots import HostSlotAllocator
@@ -119,30 +120,10 @@ class ReplicaScheduler:
             raise ValueError(
                 f"request {request.request_id!r} is not fresh (status {request.status.name}); make a new one"
             )
-        num_prompt_tokens = request.num_prompt_tokens
-        if num_prompt_tokens == 0:
-            raise ValueError(f"request {request.request_id!r} has an empty prompt; give at least one prompt token")
-        max_tokens = request.sampling_params.max_tokens
-        if num_prompt_tokens + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r} has {num_prompt_tokens} prompt tokens + max_tokens {max_tokens} = "
-                f"{num_prompt_tokens + max_tokens} tokens but max_model_len is {self.max_model_len}; "
-                "shorten the prompt, lower max_tokens or raise max_model_len"
-            )
-        num_pages = Request.num_pages_needed(self.page_size, num_prompt_tokens + max_tokens)
-        if num_pages > self.allocator.num_total_pages:
-            raise ValueError(
-                f"request {request.request_id!r} needs up to {num_pages} pages of {self.page_size} tokens "
-                f"({num_prompt_tokens} prompt tokens + max_tokens {max_tokens}) but the pool has only "
-                f"{self.allocator.num_total_pages}; raise num_pages, or shorten the prompt or lower max_tokens"
-            )
-        num_samples = request.sampling_params.n
-        if num_samples > self.max_num_seqs:
-            raise ValueError(
-                f"request {request.request_id!r} asks for n={num_samples} samples but at most max_num_seqs="
-                f"{self.max_num_seqs} sequences run at once; lower n or raise max_num_seqs"
-            )
-        request.fork_pending = num_samples > 1
+        check_fits_replica(
+            request, self.page_size, self.max_model_len, self.allocator.num_total_pages, self.max_num_seqs
+        )
+        request.fork_pending = request.sampling_params.n > 1
         request.arrival_index = self._num_arrivals
         self._num_arrivals += 1
         self._unfinished[request.request_id] = request
@@ -346,15 +327,9 @@ class ReplicaScheduler:
         self.num_preemptions += 1
         self.num_preemptions_by_kind[kind] += 1
         self.waiting.appendleft(request)
-        logger.info(
-            "preempted request %r by %s (%d computed tokens, %d pages; preemption %d of this request, %d in all)",
-            request.request_id,
-            kind,
-            num_tokens,
-            num_pages,
-            request.num_preemptions,
-            self.num_preemptions,
-        )
+        counts = (num_tokens, num_pages, request.num_preemptions, self.num_preemptions)
+        logger.info("preempted request %r by %s (%d computed tokens, %d pages; preemption %d of this request, "
+                    "%d in all)", request.request_id, kind, *counts)  # fmt: skip
 
     def _num_new_pages(self, request: Request, num_new_tokens: int) -> int:
         """The pages a request lacks to hold its computed tokens plus `num_new_tokens`."""

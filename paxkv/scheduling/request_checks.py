@@ -1,8 +1,9 @@
 """What makes a request malformed, checked before the engine accepts it: each failure names the problem and the fix.
 
-The scheduler adds what only it knows (the context and the pool: paxkv.scheduling.replica_scheduler.add_request).
+check_fits_replica adds what only the scheduler knows: the context, the pool and the sequence budget.
 """
 
+from paxkv.scheduling.request import Request
 from paxkv.scheduling.sampling_params import SamplingParams
 
 
@@ -41,3 +42,38 @@ def check_request(
             f"request {request_id!r} has stop_token_ids outside the vocabulary [0, {vocab_size}): {bad_stops[:5]}"
         )
     return token_ids
+
+
+def check_fits_replica(request: Request, page_size: int, max_model_len: int, num_pages: int, max_num_seqs: int) -> None:
+    """Raises ValueError, naming the fix, unless the request can run alone in a replica with these limits.
+
+    Args:
+      request: the request to admit.
+      page_size: tokens per page.
+      max_model_len: the most tokens (prompt plus output) one request may reach.
+      num_pages: the pages in the replica's pool.
+      max_num_seqs: the most sequences running at once.
+    """
+    num_prompt_tokens = request.num_prompt_tokens
+    if num_prompt_tokens == 0:
+        raise ValueError(f"request {request.request_id!r} has an empty prompt; give at least one prompt token")
+    max_tokens = request.sampling_params.max_tokens
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise ValueError(
+            f"request {request.request_id!r} has {num_prompt_tokens} prompt tokens + max_tokens {max_tokens} = "
+            f"{num_prompt_tokens + max_tokens} tokens but max_model_len is {max_model_len}; "
+            "shorten the prompt, lower max_tokens or raise max_model_len"
+        )
+    num_pages_needed = Request.num_pages_needed(page_size, num_prompt_tokens + max_tokens)
+    if num_pages_needed > num_pages:
+        raise ValueError(
+            f"request {request.request_id!r} needs up to {num_pages_needed} pages of {page_size} tokens "
+            f"({num_prompt_tokens} prompt tokens + max_tokens {max_tokens}) but the pool has only "
+            f"{num_pages}; raise num_pages, or shorten the prompt or lower max_tokens"
+        )
+    num_samples = request.sampling_params.n
+    if num_samples > max_num_seqs:
+        raise ValueError(
+            f"request {request.request_id!r} asks for n={num_samples} samples but at most max_num_seqs="
+            f"{max_num_seqs} sequences run at once; lower n or raise max_num_seqs"
+        )
