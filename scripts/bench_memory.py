@@ -10,8 +10,8 @@ Workload `pressure` (scripts/memory_pressure.py), over 1,000 lognormal sequence 
   (b) FP8 (e4m3, scales included) against bf16 KV at the same budget: token capacity and concurrency;
   (c) overload: --overload_requests requests against a pool of 25% of their demand, preempting by recompute,
       swap and auto, on a seeded random Llama (hidden 256, 4 layers; built with transformers, the test extra);
-  (d) page sizes 4-128: KV waste and block-table entries on (a)'s lengths, and decode tok/s on SmolLM2 at
-      batch 32 on this machine's attention path.
+  (d) page sizes 4-128 (--page_sizes): KV waste and block-table entries on (a)'s lengths, and decode tok/s on
+      SmolLM2 at batch 32 (--decode_shape) on this machine's attention path.
 Plots (with the `bench` extra): concurrency against KV budget (contiguous, paged, paged + FP8), and waste
 and decode throughput against page size.
 
@@ -47,6 +47,15 @@ FLAGS = flags.FLAGS
 flags.DEFINE_enum("workload", "prefix", ["prefix", "pressure"], "Which workload to run.")
 flags.DEFINE_integer("overload_requests", 500, "Requests in the pressure workload's overload part.")
 flags.DEFINE_float("budget_gib", 1.0, "KV budget of the pressure workload's parts (a) and (b), in GiB.")
+flags.DEFINE_list("page_sizes", ["4", "8", "16", "32", "64", "128"], "The pressure workload's page sizes in (d).")
+flags.DEFINE_list(
+    "decode_shape", ["32", "128", "24"], "The pressure workload's decode in (d): batch, prompt length, new tokens."
+)
+flags.DEFINE_string(
+    "overload_model",
+    None,
+    "Model of the pressure workload's overload part (c); default: bench_throughput's random Llama.",
+)
 flags.DEFINE_string("model", None, "A model for models.load (default: the embedded SmolLM2).")
 flags.DEFINE_integer("users", 64, "Concurrent users.")
 flags.DEFINE_integer("system_tokens", 1000, "Tokens in the shared system prompt.")
@@ -194,16 +203,19 @@ def pressure(loaded) -> dict:
     curve = mp.concurrency_curve(
         lengths, [int(g * 2**30) for g in (0.25, 0.5, 1, 2, 4, 8)], per_token, max_model_len, page_size
     )
-    sweep = mp.page_size_waste(lengths)
+    sweep = mp.page_size_waste(lengths, [int(size) for size in FLAGS.page_sizes])
+    batch, prompt_len, new_tokens = (int(size) for size in FLAGS.decode_shape)
     for row in sweep:
-        row["decode_tokens_per_s"] = mp.decode_throughput(loaded, row["page_size"], 32, 128, 24)
+        row["decode_tokens_per_s"] = mp.decode_throughput(loaded, row["page_size"], batch, prompt_len, new_tokens)
     with tempfile.TemporaryDirectory() as folder:
-        from bench_throughput import _save_random_llama
-
         import models
 
-        _save_random_llama(folder)
-        overload = mp.overload(models.load(folder, require_tokenizer=False), FLAGS.overload_requests, 0.25, FLAGS.seed)
+        if FLAGS.overload_model is None:
+            from bench_throughput import _save_random_llama
+
+            _save_random_llama(folder)
+        overload_model = models.load(FLAGS.overload_model or folder, require_tokenizer=False)
+        overload = mp.overload(overload_model, FLAGS.overload_requests, 0.25, FLAGS.seed)
     return {
         "lengths": {"count": len(lengths), "mean": float(lengths.mean()), "max_model_len": max_model_len},
         "budget_gib": FLAGS.budget_gib,
@@ -255,7 +267,7 @@ def pressure_markdown(result: dict) -> str:
         "",
         "(d) Page size",
         "",
-        "| page size | KV waste | block-table entries / seq | decode tok/s (batch 32) |",
+        f"| page size | KV waste | block-table entries / seq | decode tok/s (batch {FLAGS.decode_shape[0]}) |",
         "|---:|---:|---:|---:|",
     ]
     for row in result["d"]:
@@ -294,7 +306,7 @@ def pressure_plots(result: dict, prefix: str) -> list[str]:
     waste_axis.set_ylabel("KV waste (%)", color="#cc3333")
     speed_axis = waste_axis.twinx()
     speed_axis.plot(sizes, [row["decode_tokens_per_s"] for row in result["d"]], marker="s", color="#3366cc")
-    speed_axis.set_ylabel("decode tok/s at batch 32", color="#3366cc")
+    speed_axis.set_ylabel(f"decode tok/s at batch {FLAGS.decode_shape[0]}", color="#3366cc")
     figure.tight_layout()
     figure.savefig(prefix + "_page_size.png", dpi=120)
     plt.close(figure)

@@ -32,6 +32,9 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FLAGS = flags.FLAGS
+flags.DEFINE_string(
+    "model", None, "Model to evaluate (with a tokenizer and chat template); default: the embedded SmolLM2."
+)
 flags.DEFINE_integer("num_sequences", 200, "Windows to evaluate (half natural text, half generated answers).")
 flags.DEFINE_integer("length", 256, "Tokens per window.")
 flags.DEFINE_integer("greedy_tokens", 64, "Tokens generated greedily per window for the agreement rate.")
@@ -191,7 +194,7 @@ def main(argv):
 
     enable_compilation_cache()
     start = time.perf_counter()
-    loaded = models.load(None)
+    loaded = models.load(FLAGS.model)
     rng = np.random.default_rng(FLAGS.seed)
     num_generated = FLAGS.num_sequences // 2
     windows = natural_windows(loaded.tokenizer, FLAGS.num_sequences - num_generated, FLAGS.length, rng)
@@ -227,7 +230,7 @@ def main(argv):
             picked = [a for a, s in zip(agree[dtype], sources, strict=True) if s == source]
             results[dtype][f"top1_agreement_{source}"] = float(np.concatenate(picked).mean())
     report = {
-        "model": "SmolLM2-135M-Instruct (embedded GGUF, f32 weights and compute)",
+        "model": FLAGS.model or "SmolLM2-135M-Instruct (embedded GGUF, f32 weights and compute)",
         "baseline_kv": "bfloat16",
         "num_sequences": len(windows),
         "length": FLAGS.length,
@@ -238,7 +241,8 @@ def main(argv):
         "seconds": time.perf_counter() - start,
     }
     lines = [
-        f"8-bit KV vs bf16 KV on SmolLM2-135M: {report['num_sequences']} windows of {FLAGS.length} tokens "
+        f"8-bit KV vs bf16 KV on {FLAGS.model or 'SmolLM2-135M'}: {report['num_sequences']} windows of "
+        f"{FLAGS.length} tokens "
         f"({report['positions']} positions), half natural text, half generated answers; greedy: "
         f"{FLAGS.greedy_tokens} tokens after the first {half}.",
         "",

@@ -63,10 +63,10 @@ def concurrency_curve(lengths, budgets_bytes, bytes_per_token: dict[str, int], m
     return rows
 
 
-def page_size_waste(lengths: np.ndarray) -> list[dict]:
+def page_size_waste(lengths: np.ndarray, page_sizes=PAGE_SIZES) -> list[dict]:
     """(d) without the model: KV waste and block-table entries per sequence for each page size."""
     rows = []
-    for page_size in PAGE_SIZES:
+    for page_size in page_sizes:
         pages = -(-lengths // page_size)
         rows.append(
             {
@@ -123,7 +123,7 @@ def overload(loaded, num_requests: int, fraction_of_demand: float, seed: int) ->
         config = EngineConfig(
             page_size=page_size,
             num_pages=num_pages,
-            max_num_seqs=256,
+            max_num_seqs=min(256, num_pages - 1),  # KVPool needs a page per sequence; 64 pages (the floor) hold 63
             max_num_batched_tokens=1024,
             preemption_mode=mode,
             enable_prefix_caching=False,

@@ -1,34 +1,65 @@
-"""Smoke runs of the scripts no other test drives, on a tiny model: each runs to the end and writes sane results."""
+"""Smoke runs of the scripts no other test drives, on a tiny model: each runs to the end and writes sane results.
 
+Covered elsewhere: aot_compile.py (test_aot_compile), device_check.sh and through it bench_kernels.py
+(test_kernel_scripts), launch_multihost.sh (test_multihost).
+"""
+
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import tokenizers
+from flax import nnx
+
+import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "scripts")
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory, make_tiny_llama):
-    path = tmp_path_factory.mktemp("tiny_scripts")
-    make_tiny_llama().save_pretrained(path)
+def tiny_model(tiny_llama_checkpoint):
+    return tiny_llama_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def tiny_model_with_tokenizer(tiny_model, tmp_path_factory):
+    """The tiny Llama with a byte-level tokenizer (its 256 ids exactly) and a chat template, for scripts needing one."""
+    path = tmp_path_factory.mktemp("tiny_with_tokenizer") / "model"
+    shutil.copytree(tiny_model, path)
+    # GPT-2's byte-to-character map, which the ByteLevel pre-tokenizer applies: token id = byte value.
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE({c: b for b, c in chars.items()}, []))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     return path
 
 
-def _script(name: str, *args, timeout=300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user runs it
-    run = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", name), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+def _run(argv: list[str], check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
+    # One CPU device, as a user runs it (no forced host device count); LLVM -O0 as the tests compile (same math).
+    env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")
+    run = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if check:
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return run
+
+
+def _script(name: str, *args, check: bool = True) -> subprocess.CompletedProcess:
+    return _run([os.path.join(SCRIPTS, name), *args], check=check)
 
 
 def test_profile_step_splits_a_decode_step(tiny_model, tmp_path):
@@ -43,3 +74,197 @@ def test_profile_step_splits_a_decode_step(tiny_model, tmp_path):
     assert phases["step_total"] >= phases["device"]
     assert split["device_step_ms"] > 0 and split["device_step_without_attention_ms"] > 0 and split["lm_head_ms"] > 0
     assert (tmp_path / "profile.md").read_text() in run.stdout
+
+
+def test_convert_checkpoint_round_trips_and_refuses_a_used_folder(tiny_model_with_tokenizer, tmp_path):
+    out = tmp_path / "orbax"
+    run = _script("convert_checkpoint.py", f"--source={tiny_model_with_tokenizer}", f"--output={out}")
+    assert f"wrote {out} (llama, 2 layers, float32)" in run.stdout
+    original, restored = models.load(tiny_model_with_tokenizer), models.load(out)
+    assert restored.config == original.config
+    before = {path: v.get_value() for path, v in nnx.to_flat_state(original.state)}
+    after = {path: v.get_value() for path, v in nnx.to_flat_state(restored.state)}
+    assert sorted(after) == sorted(before) and len(before) == 3 + 2 * 9
+    for path, value in before.items():
+        np.testing.assert_array_equal(np.asarray(after[path]), np.asarray(value), err_msg=str(path))
+    text = "Hello, paged world"
+    assert restored.tokenizer.encode(text) == original.tokenizer.encode(text) == list(text.encode())
+    again = _script("convert_checkpoint.py", f"--source={tiny_model_with_tokenizer}", f"--output={out}", check=False)
+    assert again.returncode != 0 and "convert_checkpoint:" in again.stderr and "empty output folder" in again.stderr
+
+
+def test_bench_memory_prefix_caching_shares_the_system_prompt(tiny_model_with_tokenizer, tmp_path):
+    out = tmp_path / "prefix"
+    run = _script(
+        "bench_memory.py",
+        f"--model={tiny_model_with_tokenizer}",
+        "--users=2",
+        "--system_tokens=32",
+        "--question_min=4",
+        "--question_max=8",
+        "--new_tokens=3",
+        "--page_size=8",
+        "--max_num_batched_tokens=64",
+        f"--out={out}",
+    )
+    result = json.loads((tmp_path / "prefix.json").read_text())
+    off, on = result["off"], result["on"]
+    assert (off["prefix_caching"], on["prefix_caching"]) == (False, True)
+    assert off["prefill_tokens_skipped"] == 0 and on["prefill_tokens_skipped"] > 0
+    # What caching skips is exactly what it no longer computes.
+    assert off["computed_tokens"] == on["computed_tokens"] + on["prefill_tokens_skipped"]
+    assert result["optimum_pages"] <= on["peak_kv_pages"] < off["peak_kv_pages"] <= off["num_pages"]
+    assert result["saving_percent"] > 0 and result["speedup"] > 0
+    assert off["preemptions"] == on["preemptions"] == 0
+    assert all(row["generated_tokens_per_s"] > 0 and row["compilations"] > 0 for row in (off, on))
+    table = (tmp_path / "prefix.md").read_text()
+    assert "| caching on |" in table and "| optimum |" in table and table in run.stdout
+    if HAS_MATPLOTLIB:
+        assert result["chart"] == f"{out}.png" and os.path.getsize(result["chart"]) > 0
+    else:
+        assert result["chart"] is None and not os.path.exists(f"{out}.png")
+
+
+def test_bench_memory_pressure_workload(tiny_model_with_tokenizer, engine_llama_checkpoint, tmp_path):
+    out, requests = tmp_path / "pressure", 10  # 68 pages of demand for the 63 of the pool's floor: each mode preempts
+    run = _script(
+        "bench_memory.py",
+        "--workload=pressure",
+        f"--model={tiny_model_with_tokenizer}",
+        f"--overload_model={engine_llama_checkpoint}",  # its 512-token context holds the 192-token requests
+        f"--overload_requests={requests}",
+        "--budget_gib=0.001",
+        "--page_sizes=8,16",
+        "--decode_shape=2,8,3",
+        f"--out={out}",
+    )
+    result = json.loads((tmp_path / "pressure.json").read_text())
+    a, b = result["a"], result["b"]
+    assert result["lengths"]["count"] == 1000 and 0 < result["lengths"]["mean"] <= 2048
+    assert 0 < a["paged_waste"] < a["contiguous_waste"] < 1
+    assert a["paged_concurrency"] > a["contiguous_concurrency"] > 0
+    assert b["bytes_per_token"]["fp8_e4m3"] < b["bytes_per_token"]["bfloat16"]
+    assert b["capacity_ratio"] > 1 and b["fp8_concurrency"] >= b["bf16_concurrency"] == a["paged_concurrency"]
+    paged = [row["paged"] for row in result["curve"]]
+    assert len(paged) == 6 and paged == sorted(paged) and all(r["paged_fp8"] >= r["paged"] for r in result["curve"])
+    rows = {row["mode"]: row for row in result["c"]}
+    assert list(rows) == ["recompute", "swap", "auto"]
+    assert all(row["finished"] == requests and row["generated_tokens_per_s"] > 0 for row in rows.values())
+    assert all(row["demand_pages"] > row["pool_pages"] for row in rows.values())
+    recompute, swap = rows["recompute"], rows["swap"]
+    assert recompute["preemptions_recompute"] > 0 and recompute["preemptions_swap"] == 0
+    assert recompute["recomputed_tokens"] > 0
+    assert swap["preemptions_swap"] > 0 and swap["preemptions_recompute"] == 0 and swap["pages_swapped"] > 0
+    assert swap["recomputed_tokens"] == 0
+    assert rows["auto"]["preemptions_recompute"] + rows["auto"]["preemptions_swap"] > 0
+    small, large = result["d"]
+    assert (small["page_size"], large["page_size"]) == (8, 16)
+    assert small["waste"] < large["waste"] and small["block_table_entries"] > large["block_table_entries"]
+    assert small["decode_tokens_per_s"] > 0 and large["decode_tokens_per_s"] > 0
+    table = (tmp_path / "pressure.md").read_text()
+    assert "(a) Paged vs contiguous" in table and f"| swap | {requests} |" in table and table in run.stdout
+    if HAS_MATPLOTLIB:
+        assert len(result["charts"]) == 2 and all(os.path.getsize(chart) > 0 for chart in result["charts"])
+    else:
+        assert result["charts"] == []
+
+
+def test_bench_prefill_agrees_with_transformers(tiny_model, tmp_path):
+    out = tmp_path / "prefill"
+    run = _script(
+        "bench_prefill.py", f"--model={tiny_model}", "--prompt_tokens=8", "--repeats=1", "--threads=1", f"--out={out}"
+    )
+    result = json.loads((tmp_path / "prefill.json").read_text())
+    assert result["prompt_tokens"] == 8 and result["repeats"] == 1
+    assert result["same_next_token"] is True and result["last_logits_max_abs_diff"] < 1e-3
+    for system in ("paxkv", "transformers"):
+        assert result["prefill_best_s"][system] > 0 and result["load_s"][system] > 0
+        assert result["prefill_median_s"][system] >= result["prefill_best_s"][system]
+        assert result["prefill_tokens_per_s"][system] == pytest.approx(8 / result["prefill_best_s"][system])
+    assert result["prefill_speedup_paxkv_over_transformers"] > 0 and result["paxkv_first_call_s"] > 0
+    table = (tmp_path / "prefill.md").read_text()
+    assert "| paxkv |" in table and "| transformers |" in table and table in run.stdout
+
+
+def test_bench_throughput_paxkv_against_transformers(tmp_path):
+    """The random Llama (the smaller of the script's models), paxkv and transformers only: no vllm."""
+    out = tmp_path / "throughput"
+    run = _script(
+        "bench_throughput.py",
+        "--models=random_llama",
+        "--systems=paxkv,transformers",
+        "--batches=1",
+        "--prompt_len=4",
+        "--new_tokens=8",
+        "--repeats=1",
+        "--threads=1",
+        "--paxkv_kv_cache_mib=8",
+        "--max_num_batched_tokens=64",
+        f"--out={out}",
+    )
+    result = json.loads((tmp_path / "throughput.json").read_text())
+    assert result["errors"] == []  # a worker failing, or generating other than 8 tokens a request, lands here
+    rows = {row["system"]: row for row in result["rows"]}
+    assert sorted(rows) == ["paxkv", "transformers"]
+    for row in rows.values():
+        assert (row["model"], row["batch"], row["new_tokens"]) == ("random_llama", 1, 8)
+        assert row["tokens_per_s"] > 0 and row["ttft_s"] > 0 and row["peak_rss_mib"] > 0
+    assert result["roofline_gflops"] > 0
+    params = result["params_by_system"]["random_llama"]
+    assert params["paxkv"] == params["transformers"] == result["params"]["random_llama"] > 0
+    assert 0 < rows["paxkv"]["mfu"] < 1 and rows["paxkv"]["roofline_tokens_per_s"] > 0
+    assert rows["transformers"]["paxkv_over_this"] == pytest.approx(
+        rows["paxkv"]["tokens_per_s"] / rows["transformers"]["tokens_per_s"]
+    )
+    assert [r["ratio"] for r in result["ratios"]] == ["paxkv/transformers"]
+    # Greedy on the same weights: both systems generate the same first tokens.
+    first = result["first_tokens"]["random_llama"]["1"]
+    assert len(first["paxkv"]) == 8 and first["paxkv"] == first["transformers"]
+    assert result["first_tokens_match"] == {"random_llama": {"1": True}}
+    table = (tmp_path / "throughput.md").read_text()
+    assert "| random_llama | 1 | paxkv |" in table and "random_llama b1: yes" in table and table in run.stdout
+
+
+def test_eval_kv_quality_compares_8bit_kv_with_bf16(tiny_model_with_tokenizer, tmp_path):
+    out = tmp_path / "kv_quality"
+    # 64 tokens: the shortest window holding the first chat-templated prompt (53 byte tokens) and some answer.
+    run = _script(
+        "eval_kv_quality.py",
+        f"--model={tiny_model_with_tokenizer}",
+        "--num_sequences=2",
+        "--length=64",
+        "--greedy_tokens=2",
+        "--batch=2",
+        f"--out={out}",
+    )
+    result = json.loads((tmp_path / "kv_quality.json").read_text())
+    assert (result["num_sequences"], result["length"], result["positions"]) == (2, 64, 128)
+    results = result["results"]
+    assert sorted(results) == ["fp8_e4m3", "fp8_e5m2", "int8"]
+    for name, r in results.items():
+        for key in ("top1_agreement", "top1_agreement_natural", "top1_agreement_generated"):
+            assert 0.5 < r[key] <= 1, (name, key)
+        assert 0 <= r["greedy_token_agreement"] <= 1 and 0 <= r["greedy_identical_sequences"] <= 1
+        assert -1e-6 <= r["mean_kl"] <= r["max_kl"] and r["p99_kl"] <= r["max_kl"] and r["max_kl"] > 0
+    # e5m2 keeps 2 mantissa bits to e4m3's 3: its KV is the coarser.
+    assert results["fp8_e4m3"]["mean_kl"] < results["fp8_e5m2"]["mean_kl"]
+    table = (tmp_path / "kv_quality.md").read_text()
+    assert all(f"| {name} |" in table for name in results) and table.count("Goal (top-1") == 3
+    assert table in run.stdout
+
+
+def test_check_kernels_native_fails_every_case_without_an_accelerator():
+    """On the CPU the kernels run only interpreted: the native check reports each case failed, and exits 1.
+
+    (--interpret, its CPU smoke mode, takes about a minute here; test_attention_kernels runs the same cases so.)
+    """
+    run = _script("check_kernels_native.py", "--backend_kernel=gpu", check=False)
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "on cpu; kernel: gpu, native" in run.stdout.lower()
+    verdicts = [line for line in run.stdout.splitlines() if line.startswith(("PASS ", "FAIL "))]
+    failed = [line for line in verdicts if line.startswith("FAIL ")]
+    assert len(failed) == len(verdicts) > 17  # every case: the 17 of kernel_cases.CASES and the variants
+    reports = run.stdout.split("\nFAIL ")[1:]  # each case's line and traceback
+    assert len(reports) == len(failed)
+    assert all("Only interpret mode is supported on CPU" in report for report in reports)
+    assert run.stdout.rstrip().endswith(f"{len(failed)} failed")

@@ -149,14 +149,10 @@ def test_step_holds_two_all_reduces_per_layer(eight_kv_heads):
 
 
 def test_smollm2_replicates_its_three_kv_heads_on_model_2(caplog):
-    """SmolLM2's 3 KV heads do not divide model=2: the pool and K/V are replicated, loudly, and tokens match."""
-    single = models.load(None)
-    prompts = [single.tokenizer.encode("The capital of France is"), single.tokenizer.encode("1, 2, 3,")]
-    _, expected = _greedy(single, prompts)
+    """SmolLM2's 3 KV heads do not divide model=2: its pool and K/V are replicated, loudly, and the MLP split."""
     loaded = _on_mesh(None, 2)
     with caplog.at_level(logging.WARNING, logger="paxkv.parallel.mesh"):
-        engine, tokens = _greedy(loaded, prompts)
-    assert tokens == expected
+        engine = Engine(loaded, EngineConfig(page_size=8, num_pages=64, max_num_seqs=4))
     assert "REPLICATED" in caplog.text and "3 KV heads" in caplog.text
     assert spec_of(engine.kv_caches[0]) == ()
     state = {path[-1]: variable.get_value() for path, variable in nnx.to_flat_state(loaded.state)}
@@ -164,12 +160,18 @@ def test_smollm2_replicates_its_three_kv_heads_on_model_2(caplog):
     assert spec_of(state["gate"]) == (None, "model")  # the MLP is still split
 
 
-def test_replicated_attention_leaves_one_all_reduce_per_layer(tiny_llama_checkpoint):
-    """SmolLM2's shape in small (9 query and 3 KV heads) on model=2: only the MLP's all-reduce per layer remains."""
+def test_replicated_attention_matches_one_device_with_one_all_reduce_per_layer(tiny_llama_checkpoint):
+    """SmolLM2's shape in small (9 query and 3 KV heads) on model=2: replicated K/V give the one-device greedy
+    tokens, and only the MLP's all-reduce per layer remains."""
     path = tiny_llama_checkpoint(
         hidden_size=144, num_attention_heads=9, num_key_value_heads=3, head_dim=16, initializer_range=0.1
     )
+    prompts = _prompts(256)
+    _, expected = _greedy(models.load(path, require_tokenizer=False), prompts)
     loaded = _on_mesh(path, 2)
+    engine, tokens = _greedy(loaded, prompts)
+    assert tokens == expected
+    assert spec_of(engine.kv_caches[0]) == ()
     counts = _collectives(loaded)
     assert counts["all-reduce"] == loaded.config.num_layers + 1, counts  # the MLP's, and the embedding's
 
