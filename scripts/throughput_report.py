@@ -77,6 +77,16 @@ def markdown(result: dict) -> str:
         for batch, match in by_batch.items()
     ]
     lines += ["", f"First {FIRST_TOKENS} generated tokens of prompt 0 identical across systems: {', '.join(checks)}."]
+    identical = [
+        f"{model} b{batch} {system}: {'yes' if same else 'NO'}"
+        for model, by_batch in result.get("tokens_identical_to_paxkv", {}).items()
+        for batch, by_system in by_batch.items()
+        for system, same in by_system.items()
+    ]
+    if identical:
+        lines.append(f"Every generated token of every prompt identical to paxkv's: {', '.join(identical)}.")
+    if result.get("baseline_commit"):
+        lines.append(f"paxkv_baseline: paxkv at commit {result['baseline_commit']}.")
     if result["errors"]:
         lines += ["", "Errors:"]
         for error in result["errors"]:

@@ -7,6 +7,7 @@ with one JSON line on stdout; everything else it or its libraries print goes to 
 is imported at module level, so the vllm environment (--vllm_python) needs nothing but vllm.
 """
 
+import hashlib
 import json
 import os
 import resource
@@ -282,6 +283,7 @@ def _worker_main(spec: dict) -> None:
                     "ttft_s": ttft_s,
                     "generated": [len(t) for t in tokens],
                     "first_tokens": tokens[0][:FIRST_TOKENS],
+                    "tokens_sha256": hashlib.sha256(json.dumps(tokens).encode()).hexdigest(),
                     "peak_rss_mib": _tree_peak_rss_mib(),
                     **extras,
                 }

@@ -1,14 +1,18 @@
 """The `paxkv` command line, end to end on the embedded SmolLM2: chat, JSONL round trip, bad lines."""
 
 import json
-import os
 import subprocess
 import sys
 
+from subprocess_env import subprocess_env
+
+# The runs that generate share one engine shape, and cache every program they compile (in the worker's folder), so
+# each compiles only what the ones before it did not.
+ENGINE_FLAGS = ("--num_pages=64", "--max_model_len=128", "--max_num_batched_tokens=64")
+
 
 def _run_cli(*args, timeout=600):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env = subprocess_env(large_model=True, PAXKV_COMPILATION_CACHE_MIN_SECONDS="0")  # the embedded SmolLM2
     return subprocess.run(
         [sys.executable, "-m", "paxkv.entrypoints.run", *args], env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -22,7 +26,7 @@ def test_chat_question_is_answered_and_summarized(tmp_path):
         "--max_tokens=24",
         "--temperature=0",
         f"--metrics_json={metrics}",
-        "--num_pages=64",
+        *ENGINE_FLAGS,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Paris" in result.stdout
@@ -53,8 +57,7 @@ def test_jsonl_round_trip_with_bad_lines_skipped(tmp_path):
         f"--output={output}",
         "--skip_bad_lines",
         "--temperature=0",
-        "--max_model_len=128",
-        "--num_pages=64",
+        *ENGINE_FLAGS,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in output.read_text().splitlines()]
@@ -113,8 +116,7 @@ def test_prefix_caching_on_and_off_agree_and_are_summarized(tmp_path):
             f"--output={output}",
             f"--metrics_json={metrics}",
             "--temperature=0",
-            "--num_pages=64",
-            "--max_num_batched_tokens=64",
+            *ENGINE_FLAGS,
             *extra,
         )
         assert result.returncode == 0, result.stderr[-3000:]

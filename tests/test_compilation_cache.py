@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+from subprocess_env import subprocess_env
+
 _CHILD = textwrap.dedent(
     """
     import json, os
@@ -35,8 +37,7 @@ _CHILD = textwrap.dedent(
 
 
 def _run_child(cache_dir: str) -> dict:
-    env = dict(os.environ, PAXKV_COMPILATION_CACHE_DIR=cache_dir, PAXKV_COMPILATION_CACHE_MIN_SECONDS="0")
-    env.pop("XLA_FLAGS", None)
+    env = subprocess_env(PAXKV_COMPILATION_CACHE_DIR=cache_dir, PAXKV_COMPILATION_CACHE_MIN_SECONDS="0")
     result = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])

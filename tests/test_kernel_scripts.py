@@ -5,12 +5,13 @@ import os
 import subprocess
 import sys
 
+from subprocess_env import subprocess_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_device_check_runs_the_xla_part_on_cpu(tmp_path):
-    env = dict(os.environ, PYTHON=sys.executable, BENCH_ARGS="--iters 2 --kv_dtypes float8_e4m3fn", JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env = subprocess_env(PYTHON=sys.executable, BENCH_ARGS="--iters 2 --kv_dtypes float8_e4m3fn", JAX_PLATFORMS="cpu")
     run = subprocess.run(
         ["bash", os.path.join(ROOT, "scripts", "device_check.sh"), str(tmp_path)],
         env=env,

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import tokenizers
+from subprocess_env import subprocess_env
 
 from paxkv.parallel import distributed
 
@@ -37,9 +38,8 @@ def _free_port() -> int:
 
 
 def _env(devices: int = 2) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices), PYTHONPATH=ROOT)
-    env.pop("XLA_FLAGS", None)  # conftest forces 8 host devices; each process here has its own count
-    return env
+    # Not conftest's 8 forced host devices: each process here has its own count.
+    return subprocess_env(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices), PYTHONPATH=ROOT)
 
 
 def _run_flags(model_dir, prompts) -> list[str]:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from subprocess_env import subprocess_env
 
 import models
 from models.orbax_checkpoint import save_orbax
@@ -64,9 +65,7 @@ def checkpoint(tmp_path_factory, make_tiny_llama):
 
 
 def _env() -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="2", PYTHONPATH=ROOT)
-    env.pop("XLA_FLAGS", None)
-    return env
+    return subprocess_env(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="2", PYTHONPATH=ROOT)
 
 
 def _report(output: str) -> dict:

@@ -1,11 +1,11 @@
 """The memory planner against the seed's worked example (Llama-70B at 128K), and `paxkv --plan` from a config.json."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+from subprocess_env import subprocess_env
 
 from models.config import ModelConfig
 from paxkv.entrypoints.planner import parameter_count, plan
@@ -65,8 +65,7 @@ def test_parameter_count_matches_a_real_small_model(make_tiny_llama):
 def test_cli_plans_from_a_config_json_alone(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(LLAMA_70B))
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env = subprocess_env()
     result = subprocess.run(
         [sys.executable, "-m", "paxkv.entrypoints.run", "--plan", f"--model={path}", "--kv_cache_memory=80GiB"],
         env=env,

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tokenizers
 from flax import nnx
+from subprocess_env import subprocess_env
 
 import models
 
@@ -50,8 +51,7 @@ def tiny_model_with_tokenizer(tiny_model, tmp_path_factory):
 
 
 def _run(argv: list[str], check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
-    # One CPU device, as a user runs it (no forced host device count); LLVM -O0 as the tests compile (same math).
-    env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")
+    env = subprocess_env()  # one CPU device, as a user runs it
     run = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if check:
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -186,8 +186,9 @@ def test_bench_prefill_agrees_with_transformers(tiny_model, tmp_path):
     assert "| paxkv |" in table and "| transformers |" in table and table in run.stdout
 
 
-def test_bench_throughput_paxkv_against_transformers(tmp_path):
-    """The random Llama (the smaller of the script's models), paxkv and transformers only: no vllm."""
+def test_bench_throughput_paxkv_against_transformers_and_a_baseline(tmp_path):
+    """The random Llama (the smaller of the script's models), paxkv and transformers (no vllm), and this checkout
+    as its own --baseline: the A/B path runs, and a commit against itself generates the same tokens."""
     out = tmp_path / "throughput"
     run = _script(
         "bench_throughput.py",
@@ -200,12 +201,13 @@ def test_bench_throughput_paxkv_against_transformers(tmp_path):
         "--threads=1",
         "--paxkv_kv_cache_mib=8",
         "--max_num_batched_tokens=64",
+        f"--baseline={ROOT}",
         f"--out={out}",
     )
     result = json.loads((tmp_path / "throughput.json").read_text())
     assert result["errors"] == []  # a worker failing, or generating other than 8 tokens a request, lands here
     rows = {row["system"]: row for row in result["rows"]}
-    assert sorted(rows) == ["paxkv", "transformers"]
+    assert sorted(rows) == ["paxkv", "paxkv_baseline", "transformers"]
     for row in rows.values():
         assert (row["model"], row["batch"], row["new_tokens"]) == ("random_llama", 1, 8)
         assert row["tokens_per_s"] > 0 and row["ttft_s"] > 0 and row["peak_rss_mib"] > 0
@@ -216,7 +218,9 @@ def test_bench_throughput_paxkv_against_transformers(tmp_path):
     assert rows["transformers"]["paxkv_over_this"] == pytest.approx(
         rows["paxkv"]["tokens_per_s"] / rows["transformers"]["tokens_per_s"]
     )
-    assert [r["ratio"] for r in result["ratios"]] == ["paxkv/transformers"]
+    assert sorted(r["ratio"] for r in result["ratios"]) == ["paxkv/paxkv_baseline", "paxkv/transformers"]
+    assert result["tokens_identical_to_paxkv"]["random_llama"]["1"]["paxkv_baseline"] is True
+    assert result["baseline_commit"] == result["paxkv_commit"]
     # Greedy on the same weights: both systems generate the same first tokens.
     first = result["first_tokens"]["random_llama"]["1"]
     assert len(first["paxkv"]) == 8 and first["paxkv"] == first["transformers"]
@@ -251,6 +255,10 @@ def test_eval_kv_quality_compares_8bit_kv_with_bf16(tiny_model_with_tokenizer, t
     table = (tmp_path / "kv_quality.md").read_text()
     assert all(f"| {name} |" in table for name in results) and table.count("Goal (top-1") == 3
     assert table in run.stdout
+    short = _script(
+        "eval_kv_quality.py", f"--model={tiny_model_with_tokenizer}", "--num_sequences=2", "--length=16", check=False
+    )
+    assert short.returncode == 1 and "--length=16 leaves no room for an answer" in short.stderr
 
 
 def test_check_kernels_native_fails_every_case_without_an_accelerator():
