@@ -19,7 +19,6 @@ from paxkv.execution.kv_pool import KVPool
 from paxkv.execution.model_runner import ModelRunner
 from paxkv.execution.step import num_step_compilations
 from paxkv.execution.step_inputs import num_buckets
-from paxkv.parallel.distributed import host_value
 from paxkv.parallel.mesh import engine_mesh
 from paxkv.scheduling.preemption import PreemptionPolicy
 from paxkv.scheduling.request import Request
@@ -133,7 +132,7 @@ class Engine:
         self.outputs.scheduled(batch, start)
         pages_in_step = self.scheduler.num_request_pages  # before finished requests free theirs
         sampled_tokens = self.runner.run(batch, self.outputs.seed_of)
-        tokens = host_value(sampled_tokens.tokens)
+        tokens = sampled_tokens.tokens
         new_tokens = {
             sequence.request.request_id: int(tokens[row])
             for row, sequence in enumerate(batch.sequences)

@@ -7,11 +7,9 @@ request is decided and recorded by the scheduler alone (paxkv.scheduling.stoppin
 import dataclasses
 import time
 
-import jax
 import numpy as np
 
 from paxkv.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from paxkv.parallel.distributed import host_value
 from paxkv.scheduling.request import Request
 from paxkv.scheduling.scheduled_batch import ScheduledBatch
 from paxkv.scheduling.scheduler import SchedulerInterface
@@ -136,13 +134,12 @@ class OutputProcessor:
 
         Args:
           batch: the step's batch.
-          sampled_tokens: the step's SampledTokens, one row per sequence of the batch (on the device).
+          sampled_tokens: the step's sampled tokens (ModelRunner.run's LiveRows), one row per sequence of the batch.
           new_tokens: request id -> the token appended to it (the sequences that completed their prompt).
           scheduler: records stop strings (stop_at_string).
         """
         advanced: dict[str, RequestGroup] = {}  # in batch order
         now = time.monotonic()
-        host_logprobs = None
         for row, sequence in enumerate(batch.sequences):
             request = sequence.request
             if request.request_id not in new_tokens:
@@ -152,8 +149,7 @@ class OutputProcessor:
             group.metrics.first_token_time = group.metrics.first_token_time or now
             group.metrics.num_generated_tokens += 1
             if request.sampling_params.logprobs is not None:
-                host_logprobs = host_logprobs or jax.tree.map(host_value, sampled_tokens)
-                self._append_logprobs(sample, host_logprobs, row)
+                self._append_logprobs(sample, sampled_tokens, row)
             self._append_text(sample, new_tokens[request.request_id], scheduler)
             if request.is_finished:
                 del self.samples[request.request_id]

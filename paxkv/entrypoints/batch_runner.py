@@ -1,5 +1,6 @@
 """Drive an Engine over a list of prompt lines: tokenize, admit all, step to the end, one record per line."""
 
+import functools
 import time
 
 from tqdm import tqdm
@@ -57,6 +58,32 @@ def drain(engine: Engine, num_requests: int | None = None, *, progress: bool = F
     return finished
 
 
+def admit_all(engine: Engine, requests: list, *, keep_admitted: bool) -> list[str | None]:
+    """Add every request to the engine; return, in order, None for each one admitted and the error of each refused.
+
+    Every request is tried, so every bad one is found before the first step. Unless keep_admitted, one refusal
+    withdraws all the admitted ones: nothing runs, and nothing is left in the engine.
+
+    Args:
+      engine: the engine to add to.
+      requests: (request_id, make) pairs; make() returns add_request's keyword arguments (prompt_token_ids,
+        sampling_params, prompt, cache_salt), or raises ValueError naming what is wrong with the request.
+      keep_admitted: keep the good requests when some are refused.
+    """
+    errors = []
+    for request_id, make in requests:
+        try:
+            engine.add_request(request_id, **make())
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    if not keep_admitted and any(error is not None for error in errors):
+        for (request_id, _), error in zip(requests, errors, strict=True):
+            if error is None:
+                engine.withdraw(request_id)
+    return errors
+
+
 class BadRequestsError(ValueError):
     """Some lines could not be admitted; nothing ran."""
 
@@ -87,33 +114,33 @@ def run_lines(
       progress: show a tqdm bar of finished requests on stderr.
     """
     tokenizer = engine.loaded.tokenizer
+
+    def request_of(line: PromptLine | BadLine) -> dict:
+        if isinstance(line, BadLine):
+            raise ValueError(line.error)
+        if line.messages is not None:
+            text, token_ids = encode_chat(tokenizer, line.messages)
+        else:
+            text = line.prompt if isinstance(line.prompt, str) else None
+            token_ids = encode_prompt(tokenizer, line.prompt)
+        return dict(
+            prompt_token_ids=token_ids, sampling_params=line.sampling_params, prompt=text, cache_salt=line.cache_salt
+        )
+
+    requests = [(line.request_id, functools.partial(request_of, line)) for line in lines]
+    errors = admit_all(engine, requests, keep_admitted=skip_bad_lines)
     records: dict[int, dict] = {}
     admitted: dict[str, int] = {}
-    errors = []
-    for index, line in enumerate(lines):
-        where = f"line {line.line_number}: " if line.line_number is not None else f"prompt {line.request_id}: "
-        if isinstance(line, BadLine):
-            records[index] = result_record(line.line_number, line.request_id, error=line.error)
-            errors.append(line.error)
-            continue
-        try:
-            if line.messages is not None:
-                text, token_ids = encode_chat(tokenizer, line.messages)
-            else:
-                text = line.prompt if isinstance(line.prompt, str) else None
-                token_ids = encode_prompt(tokenizer, line.prompt)
-            engine.add_request(
-                line.request_id, token_ids, line.sampling_params, prompt=text, cache_salt=line.cache_salt
-            )
+    for index, (line, error) in enumerate(zip(lines, errors, strict=True)):
+        if error is None:
             admitted[line.request_id] = index
-        except ValueError as e:
-            message = f"{where}{e}"
-            records[index] = result_record(line.line_number, line.request_id, error=message)
-            errors.append(message)
-    if errors and not skip_bad_lines:
-        for request_id in admitted:
-            engine.withdraw(request_id)
-        raise BadRequestsError(errors)
+            continue
+        if isinstance(line, PromptLine):  # a parse error already names its line
+            where = f"line {line.line_number}: " if line.line_number is not None else f"prompt {line.request_id}: "
+            errors[index] = error = f"{where}{error}"
+        records[index] = result_record(line.line_number, line.request_id, error=error)
+    if not skip_bad_lines and records:
+        raise BadRequestsError([error for error in errors if error is not None])
     start = time.perf_counter()
     stream_id = next(iter(admitted), None) if stream_to is not None else None
     streamed = {"chars": 0}

@@ -1,11 +1,12 @@
 """LLM: the Python batch API over the engine (load once, generate for many prompts)."""
 
+import functools
 import itertools
 
 from paxkv.config import EngineConfig
 from paxkv.core.engine import Engine
 from paxkv.core.outputs import RequestOutput
-from paxkv.entrypoints.batch_runner import drain, encode_chat, encode_prompt
+from paxkv.entrypoints.batch_runner import admit_all, drain, encode_chat, encode_prompt
 from paxkv.parallel.mesh import load_on_mesh
 from paxkv.scheduling.sampling_params import SamplingParams
 
@@ -109,14 +110,17 @@ class LLM:
     def _run(self, requests, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         """Add every request (all or none), step until all finish, return outputs in order."""
         ids = [f"llm-{next(self._request_ids)}" for _ in requests]
-        added = []
-        try:
-            for request_id, (prompt, token_ids, salt), params in zip(ids, requests, sampling_params, strict=True):
-                self.engine.add_request(request_id, token_ids, params, prompt=prompt, cache_salt=salt)
-                added.append(request_id)
-        except ValueError:
-            for request_id in added:  # a bad prompt fails the call before anything ran
-                self.engine.withdraw(request_id)
-            raise
+        adds = [
+            (
+                request_id,
+                functools.partial(
+                    dict, prompt_token_ids=token_ids, sampling_params=params, prompt=text, cache_salt=salt
+                ),
+            )
+            for request_id, (text, token_ids, salt), params in zip(ids, requests, sampling_params, strict=True)
+        ]
+        errors = [error for error in admit_all(self.engine, adds, keep_admitted=False) if error is not None]
+        if errors:  # a bad prompt fails the call before anything ran
+            raise ValueError(errors[0])
         finished = drain(self.engine, len(ids), progress=use_tqdm)
         return [finished[request_id] for request_id in ids]

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 import models
 from models.paged_forward import bucket
@@ -16,10 +16,34 @@ from paxkv.execution.aot import AbstractEngine, check_step_fits, compile_step, d
 from paxkv.execution.kv_pool import KVPool
 from paxkv.execution.step import SampledTokens, StepBatch, copy_pages, engine_step, page_copy_arrays, static_graph
 from paxkv.execution.step_arguments import build_step_batch
+from paxkv.parallel.distributed import host_value
 from paxkv.scheduling.preemption import PreemptionPolicy
 from paxkv.scheduling.scheduled_batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
+
+
+class LiveRows:
+    """A step's SampledTokens read on the host, one row per live sequence: each field ([D, S, ...] on the device) is
+    fetched on its first read, in one transfer, and its live rows picked in numpy (no device op per step)."""
+
+    def __init__(self, sampled: SampledTokens, rows: np.ndarray):
+        """Wraps the step's output.
+
+        Args:
+          sampled: the step's SampledTokens, every leaf [D, S, ...].
+          rows: i64[live rows] flat indices into D x S, replica by replica.
+        """
+        self._sampled, self._rows, self._fields = sampled, rows, {}
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        """The field `name` of SampledTokens (tokens, logprobs, ranks, top_ids, top_logprobs) as a host array."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name not in self._fields:
+            value = host_value(getattr(self._sampled, name))
+            self._fields[name] = value.reshape(-1, *value.shape[2:])[self._rows]
+        return self._fields[name]
 
 
 class ModelRunner:
@@ -68,9 +92,9 @@ class ModelRunner:
             eos_token_ids=list(self.loaded.generation_config.eos_token_ids),
         )
 
-    def run(self, batch: ScheduledBatch, seed_of: Callable[[str], int]) -> SampledTokens:
-        """Move the batch's pages, run the step, and return its sampled tokens (on the device), one row per sequence
-        of batch.sequences (the replicas' live rows in order).
+    def run(self, batch: ScheduledBatch, seed_of: Callable[[str], int]) -> LiveRows:
+        """Move the batch's pages, run the step, and return its sampled tokens, read on the host as they are needed,
+        one row per sequence of batch.sequences (the replicas' live rows in order).
 
         Args:
           batch: a batch the scheduler returned.
@@ -91,11 +115,11 @@ class ModelRunner:
         if batch.num_batched_tokens >= self.config.max_num_batched_tokens // 2:  # mostly prefill: a rate to plan by
             jax.block_until_ready(sampled.tokens)
             self.preemption.observe_prefill(batch.num_batched_tokens, time.monotonic() - start)
-        # [D, S, ...] -> the live rows, replica by replica (still on the device: the caller fetches what it reads).
-        rows = jnp.asarray(
-            [replica * num_rows + row for replica, b in enumerate(batch.replica_batches) for row in range(b.num_seqs)]
-        )
-        return jax.tree.map(lambda leaf: leaf.reshape(leaf.shape[0] * leaf.shape[1], *leaf.shape[2:])[rows], sampled)
+        # [D, S, ...] -> the live rows, replica by replica (the caller fetches only the fields it reads).
+        rows = [
+            replica * num_rows + row for replica, b in enumerate(batch.replica_batches) for row in range(b.num_seqs)
+        ]
+        return LiveRows(sampled, np.asarray(rows, dtype=np.int64))
 
     def move_pages(self, batch: ScheduledBatch) -> None:
         """Before the step: pages out to the host (preemption by swap), back in (resumption), copies on write."""
