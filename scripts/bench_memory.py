@@ -41,7 +41,7 @@ import numpy as np
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # memory_pressure, bench_throughput
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # memory_pressure, throughput_models
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("workload", "prefix", ["prefix", "pressure"], "Which workload to run.")
@@ -211,9 +211,9 @@ def pressure(loaded) -> dict:
         import models
 
         if FLAGS.overload_model is None:
-            from bench_throughput import _save_random_llama
+            from throughput_models import save_random_llama
 
-            _save_random_llama(folder)
+            save_random_llama(folder)
         overload_model = models.load(FLAGS.overload_model or folder, require_tokenizer=False)
         overload = mp.overload(overload_model, FLAGS.overload_requests, 0.25, FLAGS.seed)
     return {

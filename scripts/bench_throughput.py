@@ -46,25 +46,12 @@ import sys
 import tempfile
 import time
 
+from throughput_models import RANDOM_LLAMA, RANDOM_LLAMA_SEED, save_random_llama, save_smollm2_hf
 from throughput_report import MATMUL_SIZE, add_derived, markdown  # scripts/ is on sys.path when run
 
 WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "throughput_worker.py")
 MODELS = ("smollm2", "random_llama")
 SYSTEMS = ("paxkv", "paxkv_baseline", "transformers", "vllm")
-# The random Llama: the sizes named in the issue (hidden 256, 4 layers, vocab 32000) plus choices of ours: an MLP of
-# 4x hidden, 4 query heads of 64 dims sharing 2 KV heads (grouped-query attention, as in SmolLM2) and an untied
-# lm_head; the rest are LlamaConfig's defaults (initializer_range 0.02, rope_theta 10000, rms_norm_eps 1e-6).
-RANDOM_LLAMA = dict(
-    hidden_size=256,
-    intermediate_size=1024,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=32000,
-    max_position_embeddings=2048,
-    tie_word_embeddings=False,
-)
-RANDOM_LLAMA_SEED = 0
 PROMPT_SEED = 0
 PROMPT_ID_LOW = 100  # prompts draw ids from [100, vocab): SmolLM2 keeps its special tokens among the low ids
 SETTLE_S = 0.5  # pause before each call, so the previous system's spinning threads are idle
@@ -194,33 +181,6 @@ def _matmul_ceiling_gflops(size: int = MATMUL_SIZE, repeats: int = 10) -> float:
         dot(a, b).block_until_ready()
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best / 1e9
-
-
-def _save_random_llama(folder: str) -> None:
-    """Build the seeded random Llama (RANDOM_LLAMA) and save it as an HF folder with safetensors, no tokenizer."""
-    import torch
-    import transformers
-
-    torch.manual_seed(RANDOM_LLAMA_SEED)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**RANDOM_LLAMA)).eval()
-    model.save_pretrained(folder)
-
-
-def _save_smollm2_hf(gguf_path: str, folder: str) -> None:
-    """Convert the SmolLM2 GGUF to an f32 HF folder with its tokenizer, for vllm (which cannot read this GGUF)."""
-    import torch
-    import transformers
-
-    directory, name = os.path.split(gguf_path)
-    source = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    config = source.config.to_dict()
-    config.pop("quantization_config", None)  # it names the GGUF, which vllm refuses; the saved weights are plain f32
-    config["architectures"] = ["LlamaForCausalLM"]
-    # A fresh model holding the same tensors: save_pretrained refuses the one loaded from a GGUF.
-    target = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_dict(config))
-    target.load_state_dict(source.state_dict())
-    target.save_pretrained(folder)
-    transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(folder)
 
 
 def _worker_spec(system: str, model: str, sources: dict, flag_values) -> dict:
@@ -499,10 +459,10 @@ def main(argv):
             if "vllm" in systems:
                 sources["smollm2_hf"] = os.path.join(scratch, "smollm2_hf")
                 print("-- converting the SmolLM2 GGUF to an HF folder for vllm", file=sys.stderr)
-                _save_smollm2_hf(sources["smollm2_gguf"], sources["smollm2_hf"])
+                save_smollm2_hf(sources["smollm2_gguf"], sources["smollm2_hf"])
         if "random_llama" in models_to_run:
             sources["random_llama"] = os.path.join(scratch, "random_llama")
-            _save_random_llama(sources["random_llama"])
+            save_random_llama(sources["random_llama"])
         for model_index, model in enumerate(models_to_run):
             _ModelBench(model_index, model, flag_values, result).run(systems, sources)
 
