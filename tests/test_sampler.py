@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paxkv.execution.sampler import SamplingArrays, apply_penalties, sample, top_logprobs
+from paxkv.execution.sampler import SamplingArrays, apply_penalties, filtered_logits, sample, top_logprobs
 from paxkv.scheduling.sampling_params import SamplingParams
 
 sample_jit = jax.jit(sample)
@@ -88,6 +88,48 @@ def test_min_p_removes_unlikely_tokens():
     _check_frequencies(_draw(SamplingParams(seed=17, min_p=0.3)), _renormalized(5))
     # min_p = 1 keeps only the most likely token.
     assert np.all(_draw(SamplingParams(seed=18, min_p=1.0), num=64) == TOKEN_OF_RANK[0])
+
+
+def _sorted_filter_reference(scaled: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """The filters as a stable descending sort defines them (numpy, float64 masses): which tokens stay. bool[V]."""
+    order = np.argsort(-scaled, kind="stable")  # descending, ties in token-id order
+    ranked = scaled[order].astype(np.float64)
+    keep = np.arange(len(scaled)) < (len(scaled) if top_k <= 0 else top_k)
+    probs = np.where(keep, np.exp(ranked - ranked[0]), 0.0)
+    probs /= probs.sum()
+    if top_p < 1.0:
+        keep &= np.cumsum(probs) - probs < top_p
+    keep &= ranked >= ranked[0] + (np.log(min_p) if min_p > 0 else -np.inf)
+    kept = np.zeros(len(scaled), bool)
+    kept[order] = keep
+    return kept
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_filters_keep_what_a_stable_sort_keeps(case):
+    """Random rows, some with many exact ties (logits on a coarse grid) and -inf entries, against the sort."""
+    rng = np.random.default_rng(case)
+    rows, vocab = 24, 300
+    logits = rng.normal(size=(rows, vocab)).astype(np.float32) * 3
+    logits[::2] = np.round(logits[::2])  # a few distinct values: ties at every boundary
+    logits[rng.random(size=logits.shape) < 0.1] = -np.inf
+    params = [
+        SamplingParams(
+            seed=row,
+            temperature=float(rng.choice([0.5, 1.0, 1.7])),
+            top_k=int(rng.choice([-1, 1, 5, 40, 299])),
+            top_p=float(rng.choice([1.0, 0.3, 0.9, 0.999])),
+            min_p=float(rng.choice([0.0, 0.05, 0.5])),
+        )
+        for row in range(rows)
+    ]
+    arrays = SamplingArrays.from_params(params, positions=[0] * rows)
+    kept = np.asarray(jax.jit(filtered_logits)(jnp.asarray(logits), arrays))
+    for row, p in enumerate(params):
+        scaled = logits[row] / np.float32(p.temperature)
+        expected = _sorted_filter_reference(scaled, p.top_k, p.top_p, p.min_p) & np.isfinite(scaled)
+        np.testing.assert_array_equal(np.isfinite(kept[row]), expected, err_msg=f"row {row}: {p}")
+        np.testing.assert_allclose(kept[row][expected], scaled[expected], rtol=1e-6)  # XLA may divide by 1/T
 
 
 def test_greedy_rows_are_exact_argmax():

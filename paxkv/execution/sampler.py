@@ -149,38 +149,94 @@ def row_keys(arrays: SamplingArrays) -> jax.Array:
     return jax.vmap(lambda seed, position: jax.random.fold_in(jax.random.key(seed), position))(seeds, positions)
 
 
-def _filtered_sorted_logits(logits: jax.Array, arrays: SamplingArrays) -> tuple[jax.Array, jax.Array]:
-    """Temperature-scale, sort descending, and mask by top-k, then top-p, then min-p.
+def _order_keys(values: jax.Array) -> jax.Array:
+    """u32 keys that order like the f32 values (-inf lowest, -0 equal to +0); a bisection finds any exactly."""
+    values = values.astype(jnp.float32)
+    values = jnp.where(values == 0, 0.0, values)  # one key for both zeros, which compare equal
+    bits = jax.lax.bitcast_convert_type(values, jnp.uint32)  # u32[B, V]
+    negative = (bits >> 31) == 1
+    return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
 
-    Returns (f32[B, V] kept logits in descending order, -inf where dropped; i32[B, V] their token ids).
+
+def _largest_key_reaching(keys: jax.Array, weights: jax.Array, target: jax.Array) -> jax.Array:
+    """Per row, the largest key m with sum(weights[keys >= m]) >= target, by 32 halvings of the u32 range.
+
+    Args:
+      keys: u32[B, V] from _order_keys.
+      weights: f32[B, V], non-negative.
+      target: f32[B, 1].
+    Returns:
+      u32[B, 1]; 0 (every key) where even the whole row falls short of the target.
     """
-    batch, vocab = logits.shape
+    batch = keys.shape[0]
+
+    def halve(_, bounds):
+        low, high = bounds  # u32[B, 1] each: the answer lies in [low, high]
+        span = high - low
+        middle = low + (span >> 1) + (span & 1)  # the upper middle, without overflowing u32
+        reaches = jnp.sum(jnp.where(keys >= middle, weights, 0.0), axis=-1, keepdims=True) >= target
+        return jnp.where(reaches, middle, low), jnp.where(reaches, high, middle - 1)
+
+    low = jnp.zeros((batch, 1), jnp.uint32)
+    high = jnp.full((batch, 1), 0xFFFFFFFF, jnp.uint32)
+    low, _ = jax.lax.fori_loop(0, 32, halve, (low, high))
+    return low
+
+
+def _keep_first(above: jax.Array, tied: jax.Array, weights: jax.Array, budget: jax.Array) -> jax.Array:
+    """Keep every token above the threshold, and tied tokens in token-id order while the weight before each is
+    below `budget` (the tie-break of a stable descending sort). bool[B, V]."""
+    before_ties = jnp.sum(jnp.where(above, weights, 0.0), axis=-1, keepdims=True)  # f32[B, 1]
+    tied_weights = jnp.where(tied, weights, 0.0)  # f32[B, V]
+    before = before_ties + jnp.cumsum(tied_weights, axis=-1) - tied_weights  # f32[B, V]
+    return above | (tied & (before < budget))
+
+
+def filtered_logits(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
+    """Temperature-scale, then mask by top-k, then top-p, then min-p, without sorting the vocabulary.
+
+    Each filter keeps a prefix of the descending order (ties in token-id order), as a stable sort would, but
+    finds its last kept value by bisection over the values' bit patterns: 32 masked sums over [B, V] instead
+    of a sort, which costs XLA:CPU ~0.3 s a step at B = 32, V = 49152 and libtpu ~20 s to compile.
+
+    Returns:
+      f32[B, V] scaled logits in token order, -inf where dropped.
+    """
+    vocab = logits.shape[-1]
     temperature = arrays.temperature.astype(jnp.float32)
     temperature = jnp.where(temperature < GREEDY_TEMPERATURE_EPS, 1.0, temperature)  # f32[B]; greedy rows unused
     scaled = logits / temperature[:, None]  # f32[B, V]
-    token_ids = jax.lax.broadcasted_iota(jnp.int32, (batch, vocab), 1)  # i32[B, V]
-    # A stable sort on -logit: descending logits, ties in token-id order, so the result is deterministic.
-    neg_sorted, sorted_ids = jax.lax.sort((-scaled, token_ids), dimension=1, is_stable=True, num_keys=1)
-    sorted_logits = -neg_sorted  # f32[B, V]
-    ranks = token_ids  # i32[B, V]: 0..V-1 along each row
+    keys = _order_keys(scaled)  # u32[B, V]
 
+    # top-k: exactly k tokens, the k-th largest value's ties broken by token id.
     top_k = arrays.top_k.astype(jnp.int32)
-    k = jnp.where(top_k <= 0, vocab, jnp.minimum(top_k, vocab))  # i32[B]
-    keep = ranks < k[:, None]  # bool[B, V]: exactly k tokens (ties broken by token id)
-    masked = jnp.where(keep, sorted_logits, -jnp.inf)  # f32[B, V]
+    k = jnp.where(top_k <= 0, vocab, jnp.minimum(top_k, vocab)).astype(jnp.float32)[:, None]  # f32[B, 1]
+
+    def top_k_mask() -> jax.Array:
+        ones = jnp.ones_like(scaled)  # f32[B, V]
+        kth = _largest_key_reaching(keys, ones, k)  # u32[B, 1]
+        return _keep_first(keys > kth, keys == kth, ones, k)  # bool[B, V]
+
+    everything = jnp.ones(scaled.shape, bool)  # bool[B, V]
+    keep = jax.lax.cond(jnp.any(k < vocab), top_k_mask, lambda: everything)
 
     # Nucleus over the top-k distribution (as HF and vLLM): keep a token when the mass strictly before it is
     # below top_p. That is the smallest prefix with mass >= top_p, and the top token (mass 0 before) always stays.
-    probs = jax.nn.softmax(masked, axis=-1)  # f32[B, V]
-    mass_before = jnp.cumsum(probs, axis=-1) - probs  # f32[B, V]
     top_p = arrays.top_p.astype(jnp.float32)[:, None]  # f32[B, 1]
-    keep &= (mass_before < top_p) | (top_p >= 1.0)
+
+    def nucleus_mask() -> jax.Array:
+        probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)  # f32[B, V]; 0 outside top-k
+        last = _largest_key_reaching(keys, probs, top_p)  # u32[B, 1]
+        return _keep_first(keep & (keys > last), keep & (keys == last), probs, top_p) | (top_p >= 1.0)
+
+    # Each search runs only when some row asks for its filter (default sampling needs neither).
+    keep &= jax.lax.cond(jnp.any(top_p < 1.0), nucleus_mask, lambda: everything)
 
     # min-p: keep p >= min_p * p_max, i.e. logit >= max_logit + log(min_p), in log space so nothing underflows.
     # The ratio to p_max does not change with renormalization, so it does not matter that top-k/p came first.
     log_min_p = jnp.log(arrays.min_p.astype(jnp.float32))[:, None]  # f32[B, 1]; -inf when min_p = 0
-    keep &= sorted_logits >= sorted_logits[:, :1] + log_min_p
-    return jnp.where(keep, sorted_logits, -jnp.inf), sorted_ids
+    keep &= scaled >= jnp.max(scaled, axis=-1, keepdims=True) + log_min_p
+    return jnp.where(keep, scaled, -jnp.inf)
 
 
 def sample(
@@ -218,13 +274,12 @@ def sample(
     greedy_logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), greedy_tokens[:, None], axis=-1)[:, 0]
 
     def sampled() -> tuple[jax.Array, jax.Array]:
-        kept, sorted_ids = _filtered_sorted_logits(logits, arrays)  # f32[B, V], i32[B, V]
-        ranks = jax.vmap(jax.random.categorical)(row_keys(arrays), kept)  # i32[B], index into the sorted order
-        tokens = jnp.take_along_axis(sorted_ids, ranks[:, None], axis=-1)[:, 0]  # i32[B]
-        logprobs = jnp.take_along_axis(jax.nn.log_softmax(kept, axis=-1), ranks[:, None], axis=-1)[:, 0]
+        kept = filtered_logits(logits, arrays)  # f32[B, V]
+        tokens = jax.vmap(jax.random.categorical)(row_keys(arrays), kept).astype(jnp.int32)  # i32[B]
+        logprobs = jnp.take_along_axis(jax.nn.log_softmax(kept, axis=-1), tokens[:, None], axis=-1)[:, 0]
         return jnp.where(greedy, greedy_tokens, tokens), jnp.where(greedy, greedy_logprobs, logprobs)
 
-    # An all-greedy batch skips the sort and the random draws; per row the result is the same either way.
+    # An all-greedy batch skips the filters and the random draws; per row the result is the same either way.
     return jax.lax.cond(jnp.all(greedy), lambda: (greedy_tokens, greedy_logprobs), sampled)
 
 

@@ -109,6 +109,13 @@ def engine_step(
     return sharded(state, kv_caches, batch)
 
 
+def _replicated(x: jax.Array) -> jax.Array:
+    """`x` whole on every device of the context mesh's automatic axes; unchanged without a mesh."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, PartitionSpec())
+
+
 def _forward_and_sample(graph, state, kv_caches, batch: StepBatch, with_logprobs: bool):
     """The body of engine_step for one replica's batch (leaves [S, ...]), traced once per step program."""
     inputs = batch.inputs
@@ -119,7 +126,9 @@ def _forward_and_sample(graph, state, kv_caches, batch: StepBatch, with_logprobs
         kv_caches,
         inputs.metadata,
         inputs.logits_indices,
-    )  # f32[S, vocab]
+    )  # f32[S, vocab], split over "model" where the lm_head is
+    # Sample from whole rows: one all-gather of the logits, not a collective per reduction the sampler makes.
+    logits = _replicated(logits)
     tokens, _ = sample(
         logits, batch.sampling, batch.token_counts, prompt_mask=batch.prompt_mask, suppress=batch.suppress
     )
