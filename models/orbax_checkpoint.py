@@ -4,7 +4,6 @@ import json
 import os
 
 import jax
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from models.config import ModelConfig
@@ -32,6 +31,8 @@ def save_orbax(loaded, directory: str) -> None:
     params_dir = os.path.join(directory, PARAMS_DIR)
     if os.path.exists(params_dir):
         raise FileExistsError(f"{params_dir} already exists; choose an empty output folder")
+    import orbax.checkpoint as ocp  # here, not at import: it costs every run 0.4 s, and few load orbax
+
     params = nnx.to_pure_dict(loaded.state)
     # Chunks of at most CHUNK_BYTES, so a restore onto a mesh reads only the chunks its own shards cover
     # (one chunk per array would make every host read, and hold, whole arrays).
@@ -89,6 +90,8 @@ def load_orbax(directory: str, model_kwargs: dict, *, mesh=None, sharding_rules=
         shardings = state_shardings(abstract_state, mesh, sharding_rules)
     target = restore_target(abstract_state, shardings)
     try:
+        import orbax.checkpoint as ocp  # see save_orbax
+
         restored = ocp.StandardCheckpointer().restore(os.path.join(directory, PARAMS_DIR), target)
     except (FileNotFoundError, ValueError) as e:
         raise CheckpointError(
