@@ -11,6 +11,8 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+# Roles every chat template is written for; any other must appear in the template itself.
+STANDARD_ROLES = ("system", "user", "assistant", "tool")
 # Names a message's reasoning may come under; templates read one or another (transformers fills them all).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -25,6 +27,7 @@ def render_chat_template(template: str, messages, add_generation_prompt: bool, v
       variables: further template variables (special tokens, tools, documents, ...).
     """
     _check_messages(messages)
+    _check_roles(template, messages)
     compiled = _compile_chat_template(template)
     try:
         return compiled.render(
@@ -45,6 +48,18 @@ def _check_messages(messages) -> None:
         problem = next(filter(None, (_message_problem(index, message) for index, message in enumerate(messages))), None)
     if problem is not None:
         raise ValueError(problem)
+
+
+def _check_roles(template: str, messages) -> None:
+    """Raise ValueError for a role outside STANDARD_ROLES that the template never names (it would be ignored or
+    rendered as if it meant something)."""
+    for index, message in enumerate(messages):
+        role = message["role"]
+        if role not in STANDARD_ROLES and f"'{role}'" not in template and f'"{role}"' not in template:
+            raise ValueError(
+                f"messages[{index}] has role {role!r}, which this model's chat template does not name; use one of "
+                f"{', '.join(STANDARD_ROLES)}"
+            )
 
 
 def _message_problem(index: int, message) -> str | None:

@@ -167,6 +167,13 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TypeError(f"encode takes a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"the text holds {text[e.start]!r} at character {e.start}, a lone surrogate that UTF-8 cannot "
+                "encode; fix the text (e.g. read it with errors='replace')"
+            ) from None
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens:
             bos, eos = self.bos_token_id, self.eos_token_id

@@ -4,6 +4,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 
 import gguf
@@ -12,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from models.chat_template import render_chat_template
 from models.errors import CheckpointError
 from models.gguf_tokenizer import tokenizer_from_gguf
 from models.tokenizer import Tokenizer
@@ -351,3 +353,17 @@ def test_gguf_without_tokenizer():
 def test_malformed_messages(smol, messages):
     with pytest.raises(ValueError, match="messages"):
         smol.apply_chat_template(messages)
+
+
+def test_unknown_chat_roles_are_refused_unless_the_template_names_them():
+    template = "{% for m in messages %}{% if m['role'] == 'developer' %}D:{% endif %}{{ m['content'] }};{% endfor %}"
+    messages = [{"role": "developer", "content": "x"}, {"role": "user", "content": "y"}]
+    assert render_chat_template(template, messages, True, {}) == "D:x;y;"
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "messages[1] has role 'narrator', which this model's chat template does not name; use one of system, "
+            "user, assistant, tool"
+        ),
+    ):
+        render_chat_template(template, [messages[1], {"role": "narrator", "content": "z"}], True, {})

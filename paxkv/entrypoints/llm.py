@@ -21,6 +21,7 @@ class LLM:
         dtype: str = "float32",
         skip_tokenizer_init: bool = False,
         attention_impl: str = "auto",
+        allow_nonfinite_weights: bool = False,
         **engine_config,
     ):
         """Load a model and start an engine over it.
@@ -30,6 +31,7 @@ class LLM:
           dtype: parameter storage dtype.
           skip_tokenizer_init: load weights only (as vLLM's flag); prompts must then be token-id lists.
           attention_impl: auto | pallas | interpret | xla.
+          allow_nonfinite_weights: load weights holding NaN or Inf instead of refusing them.
           **engine_config: EngineConfig fields (num_pages, max_num_seqs, max_num_batched_tokens, mesh_shape, ...).
         """
         config = EngineConfig(**engine_config)
@@ -39,6 +41,7 @@ class LLM:
             dtype=dtype,
             attention_impl=attention_impl,
             require_tokenizer=not skip_tokenizer_init,
+            allow_nonfinite_weights=allow_nonfinite_weights,
         )
         self.engine = Engine(self.loaded, config)
         self._request_ids = itertools.count()
@@ -46,7 +49,8 @@ class LLM:
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in input order.
 
-        Every prompt is checked before any runs, so a bad one fails the call without side effects.
+        Every prompt is checked before any runs, so a bad one fails the call without side effects, with an
+        error naming its position in `prompts`.
 
         Args:
           prompts: a str, or a list of str, token-id lists, or dicts as vLLM's prompt dicts:
@@ -57,12 +61,13 @@ class LLM:
         """
         if isinstance(prompts, str):
             prompts = [prompts]
-        prompts = list(prompts)
-        sampling_params = self._broadcast(sampling_params, prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(
-                f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt"
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(
+                "prompts must be a string or a list of prompts (strings, token-id lists or prompt dicts), "
+                f"not {type(prompts).__name__}"
             )
+        prompts = list(prompts)
+        sampling_params = self._broadcast(sampling_params, len(prompts))
         requests = [self._tokenize(index, prompt) for index, prompt in enumerate(prompts)]
         return self._run(requests, sampling_params, use_tqdm)
 
@@ -75,15 +80,43 @@ class LLM:
           use_tqdm: show a progress bar on stderr.
         """
         conversations = messages_or_conversations
-        if conversations and isinstance(conversations[0], dict):
+        if not isinstance(conversations, (list, tuple)) or not conversations:
+            raise TypeError(
+                "chat takes a conversation (a list of {'role', 'content'} dicts) or a list of conversations, "
+                f"not {conversations!r:.80}"
+            )
+        if isinstance(conversations[0], dict):
             conversations = [conversations]
-        requests = [(*encode_chat(self.loaded.tokenizer, messages), None) for messages in conversations]
-        return self._run(requests, self._broadcast(sampling_params, requests), use_tqdm)
+        sampling_params = self._broadcast(sampling_params, len(conversations))
+        requests = []
+        for index, messages in enumerate(conversations):
+            try:
+                requests.append((*encode_chat(self.loaded.tokenizer, messages), None))
+            except ValueError as e:
+                raise ValueError(f"conversation {index}: {e}") from None
+        return self._run(requests, sampling_params, use_tqdm, noun="conversation")
 
-    def _broadcast(self, sampling_params, prompts) -> list[SamplingParams]:
-        """One SamplingParams per prompt."""
+    @staticmethod
+    def _broadcast(sampling_params, num_prompts: int) -> list[SamplingParams]:
+        """One SamplingParams per prompt, or a TypeError/ValueError naming what was expected."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            return [sampling_params or SamplingParams()] * len(prompts)
+            return [sampling_params or SamplingParams()] * num_prompts
+        if not isinstance(sampling_params, (list, tuple)) or not all(
+            isinstance(params, SamplingParams) for params in sampling_params
+        ):
+            hint = (
+                f"; build one with SamplingParams(**{sampling_params!r:.60})"
+                if isinstance(sampling_params, dict)
+                else ""
+            )
+            raise TypeError(
+                "sampling_params must be a SamplingParams or a list of them (one per prompt), not "
+                f"{type(sampling_params).__name__}{hint}"
+            )
+        if len(sampling_params) != num_prompts:
+            raise ValueError(
+                f"got {len(sampling_params)} SamplingParams for {num_prompts} prompts; pass one, or one per prompt"
+            )
         return list(sampling_params)
 
     def _tokenize(self, index: int, prompt) -> tuple[str | None, list[int], str | None]:
@@ -99,16 +132,21 @@ class LLM:
                 )
             cache_salt = prompt.get("cache_salt")
             prompt = prompt[given[0]]
+        if not isinstance(prompt, (str, list, tuple)) and not hasattr(prompt, "__array__"):
+            raise TypeError(
+                f"prompt {index} is a {type(prompt).__name__}; give a string, a list of token ids or a prompt dict"
+            )
         try:
             token_ids = encode_prompt(self.loaded.tokenizer, prompt)
-        except (TypeError, ValueError) as e:
-            if isinstance(prompt, str):
-                raise
-            raise ValueError(f"prompt {index} is neither a string nor a list of token ids: {prompt!r:.80}") from e
+        except ValueError as e:
+            raise ValueError(f"prompt {index}: {e}") from None
         return (prompt if isinstance(prompt, str) else None), token_ids, cache_salt
 
-    def _run(self, requests, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
-        """Add every request (all or none), step until all finish, return outputs in order."""
+    def _run(self, requests, sampling_params, use_tqdm: bool, noun: str = "prompt") -> list[RequestOutput]:
+        """Add every request (all or none), step until all finish, return outputs in order.
+
+        An interrupt (KeyboardInterrupt) aborts the call's requests before it propagates, so the LLM stays usable.
+        """
         ids = [f"llm-{next(self._request_ids)}" for _ in requests]
         adds = [
             (
@@ -119,8 +157,14 @@ class LLM:
             )
             for request_id, (text, token_ids, salt), params in zip(ids, requests, sampling_params, strict=True)
         ]
-        errors = [error for error in admit_all(self.engine, adds, keep_admitted=False) if error is not None]
-        if errors:  # a bad prompt fails the call before anything ran
-            raise ValueError(errors[0])
-        finished = drain(self.engine, len(ids), progress=use_tqdm)
+        errors = admit_all(self.engine, adds, keep_admitted=False)
+        for index, (request_id, error) in enumerate(zip(ids, errors, strict=True)):
+            if error is not None:  # a bad prompt fails the call before anything ran, named by its position
+                raise ValueError(error.replace(f"request {request_id!r}", f"{noun} {index}"))
+        try:
+            finished = drain(self.engine, len(ids), progress=use_tqdm)
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
         return [finished[request_id] for request_id in ids]

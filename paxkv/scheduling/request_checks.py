@@ -3,8 +3,26 @@
 check_fits_replica adds what only the scheduler knows: the context, the pool and the sequence budget.
 """
 
+import numpy as np
+
 from paxkv.scheduling.request import Request
 from paxkv.scheduling.sampling_params import SamplingParams
+
+
+def integer_token_ids(values) -> list[int]:
+    """`values` as a list of Python ints, or a ValueError naming the first id that is not an integer.
+
+    Python and numpy integers pass; floats, strings and booleans do not, even where int() would take them
+    (1.9 would silently become 1).
+    """
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise ValueError(f"token ids must be a list of integers, not {type(values).__name__}")
+    token_ids = []
+    for position, value in enumerate(values):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"token id {position} is {value!r} ({type(value).__name__}); token ids must be integers")
+        token_ids.append(int(value))
+    return token_ids
 
 
 def check_request(
@@ -27,9 +45,9 @@ def check_request(
     if not isinstance(sampling_params, SamplingParams):
         raise ValueError(f"request {request_id!r}: sampling_params must be a SamplingParams, not {sampling_params!r}")
     try:
-        token_ids = [int(t) for t in prompt_token_ids]
-    except (TypeError, ValueError):
-        raise ValueError(f"request {request_id!r}: prompt_token_ids must be a list of ints") from None
+        token_ids = integer_token_ids(prompt_token_ids)
+    except ValueError as e:
+        raise ValueError(f"request {request_id!r}: {e}") from None
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(
