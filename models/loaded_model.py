@@ -92,5 +92,7 @@ def check_tokenizer_file(path: str, require_tokenizer: bool) -> None:
     if require_tokenizer and not os.path.exists(os.path.join(path, "tokenizer.json")):
         raise CheckpointError(
             f"{path} has no tokenizer (tokenizer.json); copy the model's tokenizer.json and "
-            "tokenizer_config.json into it, or pass require_tokenizer=False to load weights only"
+            "tokenizer_config.json into it, or load weights only (prompts then given as token ids): "
+            "--skip_tokenizer_init on the command line, LLM(skip_tokenizer_init=True), or "
+            "models.load(require_tokenizer=False)"
         )

@@ -8,6 +8,8 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
 from models.config import ModelConfig, load_hf_config
 from models.errors import CheckpointError
@@ -34,6 +36,7 @@ def load(
     attention_impl: str = "auto",
     compute_dtype: str | None = None,
     require_tokenizer: bool = True,
+    allow_nonfinite_weights: bool = False,
 ) -> LoadedModel:
     """Load a Llama-family model.
 
@@ -47,6 +50,8 @@ def load(
       attention_impl: auto | pallas | interpret | xla (see pallas_kernels).
       compute_dtype: activation dtype; default f32 on CPU and bf16 on GPU/TPU.
       require_tokenizer: raise when the checkpoint has no tokenizer (else tokenizer is None).
+      allow_nonfinite_weights: skip the check that every weight is finite (a NaN or Inf weight is a CheckpointError
+        naming the tensor otherwise).
     """
     start = time.perf_counter()
     if dtype not in DTYPES:
@@ -79,6 +84,8 @@ def load(
             f"{path} is neither a folder nor a .gguf file; paxkv loads HF folders "
             "(config.json + *.safetensors), GGUF files and orbax folders"
         )
+    if not allow_nonfinite_weights:
+        check_finite_weights(loaded.state, path)
     loaded.load_seconds = time.perf_counter() - start
     loaded.mesh = mesh
     logging.info(
@@ -89,6 +96,30 @@ def load(
         loaded.load_seconds,
     )
     return loaded
+
+
+@jax.jit
+def _nonfinite_counts(leaves: list) -> list:
+    """How many NaN or Inf values each floating array holds (0 for integer arrays)."""
+    return [
+        jnp.sum(~jnp.isfinite(leaf)) if jnp.issubdtype(leaf.dtype, jnp.inexact) else jnp.zeros((), jnp.int32)
+        for leaf in leaves
+    ]
+
+
+def check_finite_weights(state: nnx.State, source: str) -> None:
+    """Raise CheckpointError naming every tensor of `state` that holds NaN or Inf (one pass over the weights)."""
+    flat = nnx.to_flat_state(state)
+    names = [".".join(str(part) for part in path) for path, _ in flat]
+    counts = _nonfinite_counts([variable.get_value() for _, variable in flat])
+    counts = [int(np.asarray(count.addressable_data(0))) for count in counts]  # replicated scalars
+    bad = [f"{name} ({n} value{'s' * (n > 1)})" for name, n in zip(names, counts, strict=True) if n]
+    if bad:
+        raise CheckpointError(
+            f"{source}: weights hold NaN or Inf in {', '.join(bad[:5])}{' and more' if len(bad) > 5 else ''}; the "
+            "checkpoint is corrupt (re-download or re-convert it), or pass allow_nonfinite_weights=True "
+            "(--allow_nonfinite_weights) to load it anyway"
+        )
 
 
 def embedded_model_path() -> str:

@@ -121,3 +121,10 @@ class LoadConfig:
         "Attention implementation: the backend's kernel, a kernel, the interpreter, or XLA.",
         choices=("auto", "pallas", "interpret", "xla"),
     )
+    skip_tokenizer_init: bool = option(
+        False, "Load the weights only, without a tokenizer (as vLLM's flag); prompts must then be token ids."
+    )
+    allow_nonfinite_weights: bool = option(
+        False,
+        "Load weights that hold NaN or Inf instead of refusing them (they generate garbage; for debugging only).",
+    )

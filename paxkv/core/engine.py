@@ -25,6 +25,7 @@ from paxkv.scheduling.request import Request
 from paxkv.scheduling.request_checks import check_request
 from paxkv.scheduling.sampling_params import SamplingParams
 from paxkv.scheduling.scheduler import Scheduler
+from paxkv.scheduling.stopping import NONFINITE_TOKEN
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class Engine:
         metrics = self.metrics
         metrics.num_finished_requests += len(finished)
         metrics.num_prompt_tokens += sum(len(group.prompt_token_ids) for group in finished)
-        metrics.num_generated_tokens += len(new_tokens)
+        metrics.num_generated_tokens += sum(token != NONFINITE_TOKEN for token in new_tokens.values())
         metrics.num_pages_swapped = self.runner.num_pages_swapped
         metrics.num_compilations = num_step_compilations()
         metrics.observe(self.scheduler)

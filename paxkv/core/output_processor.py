@@ -13,7 +13,7 @@ from paxkv.core.outputs import CompletionOutput, Logprob, RequestMetrics, Reques
 from paxkv.scheduling.request import Request
 from paxkv.scheduling.scheduled_batch import ScheduledBatch
 from paxkv.scheduling.scheduler import SchedulerInterface
-from paxkv.scheduling.stopping import ended_by_stop_token, find_stop_string
+from paxkv.scheduling.stopping import NONFINITE_TOKEN, ended_by_stop_token, find_stop_string
 
 
 class SampleState:
@@ -146,11 +146,14 @@ class OutputProcessor:
                 continue
             sample = self.samples[request.request_id]
             group = self.groups[request.group_id]
-            group.metrics.first_token_time = group.metrics.first_token_time or now
-            group.metrics.num_generated_tokens += 1
-            if request.sampling_params.logprobs is not None:
-                self._append_logprobs(sample, sampled_tokens, row)
-            self._append_text(sample, new_tokens[request.request_id], scheduler)
+            if new_tokens[request.request_id] != NONFINITE_TOKEN:  # else it finished with "error", and no token
+                group.metrics.first_token_time = group.metrics.first_token_time or now
+                group.metrics.num_generated_tokens += 1
+                if request.sampling_params.logprobs is not None:
+                    self._append_logprobs(sample, sampled_tokens, row)
+                self._append_text(sample, new_tokens[request.request_id], scheduler)
+            elif sample.detokenizer is not None:
+                sample.text += sample.detokenizer.flush()
             if request.is_finished:
                 del self.samples[request.request_id]
             advanced[group.request_id] = group

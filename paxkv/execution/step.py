@@ -12,6 +12,7 @@ from models.paged_forward import bucket, logits_over_pages
 from paxkv.execution.sampler import SamplingArrays, sample, top_logprobs
 from paxkv.execution.step_inputs import StepInputs
 from paxkv.scheduling.sampling_params import MAX_LOGPROBS
+from paxkv.scheduling.stopping import NONFINITE_TOKEN
 
 
 @jax.tree_util.register_dataclass
@@ -132,6 +133,8 @@ def _forward_and_sample(graph, state, kv_caches, batch: StepBatch, with_logprobs
     tokens, _ = sample(
         logits, batch.sampling, batch.token_counts, prompt_mask=batch.prompt_mask, suppress=batch.suppress
     )
+    # A row whose logits hold NaN or Inf has no token to sample: report NONFINITE_TOKEN, never argmax's 0.
+    tokens = jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), tokens, NONFINITE_TOKEN)  # i32[S]
     num_rows = logits.shape[0]
     if with_logprobs:
         raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # f32[S, vocab]

@@ -12,7 +12,7 @@ from paxkv.scheduling.prefix_trie import PrefixTrie
 from paxkv.scheduling.request import Request, RequestStatus
 from paxkv.scheduling.request_checks import check_fits_replica
 from paxkv.scheduling.scheduled_batch import ReplicaBatch, ScheduledSequence, StepOutcome
-from paxkv.scheduling.stopping import stop_after_token
+from paxkv.scheduling.stopping import NONFINITE_TOKEN, stop_after_token
 from paxkv.scheduling.swap_slots import HostSlotAllocator
 
 logger = logging.getLogger(__name__)
@@ -239,7 +239,8 @@ class ReplicaScheduler:
                     "pass one for every sequence with completes_prompt"
                 )
             token_id = int(sampled_tokens[request.request_id])
-            request.output_token_ids.append(token_id)
+            if token_id != NONFINITE_TOKEN:  # else the request finishes with "error", and no token
+                request.output_token_ids.append(token_id)
             finish_reason, request.stop_reason = stop_after_token(
                 request, token_id, self.eos_token_ids, self.max_model_len
             )
@@ -267,7 +268,7 @@ class ReplicaScheduler:
 
         Args:
           request: a waiting or running request of this scheduler.
-          finish_reason: "stop", "length" or "abort".
+          finish_reason: "stop", "length", "abort" or "error".
         """
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)

@@ -7,7 +7,7 @@ import time
 from pallas_kernels import pages_for
 from paxkv.scheduling.sampling_params import SamplingParams
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class RequestStatus(enum.Enum):

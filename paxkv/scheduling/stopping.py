@@ -10,6 +10,14 @@ from collections.abc import Collection, Iterable
 
 from paxkv.scheduling.request import Request
 
+# The token the step reports for a row whose logits hold NaN or Inf (no real token id is negative), and why such
+# a request finishes with finish_reason "error" instead of a token sampled from garbage.
+NONFINITE_TOKEN = -1
+NONFINITE_REASON = (
+    "the model's logits were NaN or Inf at this position, so no token could be sampled; check the checkpoint "
+    "and the dtype (bfloat16 overflows where float32 does not)"
+)
+
 
 def holds_back_stops(request: Request) -> bool:
     """Whether the request's next token may not be a stop token: it has fewer than min_tokens outputs."""
@@ -24,11 +32,11 @@ def stop_token_ids(request: Request, eos_token_ids: Iterable[int]) -> list[int]:
 
 def stop_after_token(
     request: Request, token_id: int, eos_token_ids: Collection[int], max_model_len: int
-) -> tuple[str | None, int | None]:
+) -> tuple[str | None, int | str | None]:
     """(finish reason, stop reason) once `token_id` has been appended to `request`; (None, None) if it goes on.
 
     The stop reason is the stop token when one of the request's stop_token_ids ended it (None for EOS and length),
-    as vLLM reports it.
+    as vLLM reports it. NONFINITE_TOKEN (not appended) finishes the request with "error" and NONFINITE_REASON.
 
     Args:
       request: the request, its new token already appended.
@@ -37,6 +45,8 @@ def stop_after_token(
       max_model_len: the most tokens a request may reach.
     """
     params = request.sampling_params
+    if token_id == NONFINITE_TOKEN:  # not appended: nothing could be sampled
+        return "error", NONFINITE_REASON
     # The step holds stop tokens back while fewer than min_tokens outputs preceded this one (holds_back_stops);
     # this makes min_tokens hold regardless.
     if request.num_output_tokens >= params.min_tokens:
