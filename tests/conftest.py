@@ -97,3 +97,23 @@ def tiny_llama_checkpoint(make_tiny_llama, tmp_path_factory):
 def engine_llama_checkpoint(tiny_llama_checkpoint):
     """The engine tests' tiny Llama: a 512-token context, and weights large enough that greedy ties are rare."""
     return tiny_llama_checkpoint(max_position_embeddings=512, initializer_range=0.1)
+
+
+# The word-level vocabulary of word_level_llama: "w0" ... "w252" after three specials.
+WORDS = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(253)]
+
+
+@pytest.fixture(scope="session")
+def word_level_llama(tmp_path_factory, make_tiny_llama):
+    """A folder the CLI loads in a second: a tiny Llama (4 KV heads) with a word-level tokenizer over WORDS."""
+    import json
+
+    import tokenizers
+
+    directory = tmp_path_factory.mktemp("word_level_llama")
+    make_tiny_llama(num_attention_heads=8, num_key_value_heads=4, initializer_range=0.1).save_pretrained(directory)
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return directory

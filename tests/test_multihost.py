@@ -7,28 +7,20 @@ import subprocess
 import sys
 
 import pytest
-import tokenizers
 from subprocess_env import subprocess_env
 
 from paxkv.parallel import distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORDS = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(253)]
 PROMPTS = ["w1 w2 w3 w4 w5", "w7 w8 w9", "w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20"]
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory, make_tiny_llama):
-    """A tiny Llama (4 KV heads, so model=4 splits them) with a word-level tokenizer, and a prompts file."""
-    directory = tmp_path_factory.mktemp("multihost")
-    make_tiny_llama(num_attention_heads=8, num_key_value_heads=4, initializer_range=0.1).save_pretrained(directory)
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    backend.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    prompts = directory / "prompts.jsonl"
+def tiny_model(word_level_llama, tmp_path_factory):
+    """conftest's word-level tiny Llama (4 KV heads, so model=4 splits them), and a prompts file."""
+    prompts = tmp_path_factory.mktemp("multihost") / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    return directory, prompts
+    return word_level_llama, prompts
 
 
 def _free_port() -> int:

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from paxkv.entrypoints.config_flags import parse_memory_size
-from paxkv.entrypoints.prompts_file import BadLine, PromptLine, parse_line, parse_lines
+from paxkv.entrypoints.prompts_file import BadLine, PromptLine, decode_file, parse_line, parse_lines
 
 
 def test_a_line_takes_the_flags_as_defaults_and_overrides_them():
@@ -64,3 +64,24 @@ def test_memory_sizes(text, size):
 def test_bad_memory_sizes(text):
     with pytest.raises(ValueError, match="memory size"):
         parse_memory_size(text)
+
+
+def test_a_bom_is_dropped_and_bytes_that_are_not_utf8_fail_their_line_alone():
+    bom, utf8_line, latin1_line = (
+        b"\xef\xbb\xbf",
+        b'{"id": "first", "prompt": "caf\xc3\xa9"}',
+        b'{"id": "latin1", "prompt": "caf\xe9"}',
+    )
+    data = bom + utf8_line + b"\n" + latin1_line + b'\n{"prompt": "ok"}\n'
+    lines = parse_lines(decode_file(data).splitlines(), {}, "p.jsonl")
+    assert isinstance(lines[0], PromptLine) and lines[0].prompt == "café"
+    assert lines[1] == BadLine(  # the line's own id, even so
+        2, "latin1", "p.jsonl:2: not UTF-8 text (byte 0xe9 at column 32); save the file as UTF-8"
+    )
+    assert isinstance(lines[2], PromptLine)
+
+
+def test_bad_lines_keep_their_own_id():
+    lines = parse_lines(['{"id": "q7", "prompt": "x", "bogus": 1}', '{"id": 12, "temperature": -1}', "[1]"], {}, "p")
+    assert [line.request_id for line in lines] == ["q7", "12", "line-3"]
+    assert all(isinstance(line, BadLine) for line in lines)

@@ -7,6 +7,7 @@ from tqdm import tqdm
 
 from paxkv.core.engine import Engine
 from paxkv.entrypoints.prompts_file import BadLine, PromptLine, result_record
+from paxkv.scheduling.request_checks import integer_token_ids
 
 
 def encode_prompt(tokenizer, prompt) -> list[int]:
@@ -17,7 +18,7 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
       prompt: a string or a list of token ids.
     """
     if not isinstance(prompt, str):
-        return [int(token_id) for token_id in prompt]
+        return integer_token_ids(prompt)
     if tokenizer is None:
         raise ValueError("this model has no tokenizer; give the prompt as a list of token ids")
     return tokenizer.encode(prompt)
@@ -36,18 +37,24 @@ def encode_chat(tokenizer, messages) -> tuple[str, list[int]]:
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
-def drain(engine: Engine, num_requests: int | None = None, *, progress: bool = False, on_step=None) -> dict:
-    """Step the engine until no request is left; return the finished RequestOutputs by request id.
+def drain(
+    engine: Engine, num_requests: int | None = None, *, progress: bool = False, on_step=None, should_stop=None
+) -> dict:
+    """Step the engine until no request is left (or until asked to stop); return the finished RequestOutputs by id.
 
     Args:
       engine: the engine to drive.
       num_requests: how many requests will finish (the progress bar's total), if known.
       progress: show a tqdm bar of finished requests on stderr.
       on_step: called after every step with the RequestOutputs it returned, finished or not.
+      should_stop: called before every step; when it returns True, drain returns at once and leaves the
+        unfinished requests in the engine (the caller aborts them).
     """
     finished = {}
     with tqdm(total=num_requests, disable=not progress, desc="requests", unit="req") as bar:
         while engine.has_unfinished_requests():
+            if should_stop is not None and should_stop():
+                break
             outputs = engine.step()
             if on_step is not None:
                 on_step(outputs)
@@ -99,6 +106,9 @@ def run_lines(
     skip_bad_lines: bool = True,
     stream_to=None,
     progress: bool = False,
+    on_record=None,
+    should_stop=None,
+    stop_reason="stopped",
 ) -> tuple[list[dict], float]:
     """Run every good line to completion; return one record per line in input order, and the wall time.
 
@@ -112,6 +122,10 @@ def run_lines(
       skip_bad_lines: run the good lines even when some are bad.
       stream_to: a text stream to write the first request's text to as it is generated (for one prompt).
       progress: show a tqdm bar of finished requests on stderr.
+      on_record: called with each finished request's record the step it finishes (e.g. to journal it).
+      should_stop: called before every step; once it returns True, the requests still running or waiting are
+        aborted, and their records say finish_reason "abort" with `stop_reason` as their "reason".
+      stop_reason: why requests were aborted, for their records: a string, or a function that returns one.
     """
     tokenizer = engine.loaded.tokenizer
 
@@ -158,7 +172,24 @@ def run_lines(
             stream_to.flush()
             streamed["chars"] = ready
 
-    for request_id, output in drain(engine, len(admitted), progress=progress, on_step=stream).items():
-        index = admitted[request_id]
-        records[index] = result_record(lines[index].line_number, request_id, output)
+    def record_finished(outputs) -> None:
+        if stream_id is not None:
+            stream(outputs)
+        for output in outputs:
+            if output.finished:
+                index = admitted[output.request_id]
+                records[index] = result_record(
+                    lines[index].line_number, output.request_id, output, input_hash=lines[index].input_hash
+                )
+                if on_record is not None:
+                    on_record(records[index])
+
+    drain(engine, len(admitted), progress=progress, on_step=record_finished, should_stop=should_stop)
+    for request_id, index in admitted.items():
+        if index not in records:  # asked to stop: abort what is left, and say why
+            output = engine.abort(request_id)
+            records[index] = result_record(
+                lines[index].line_number, request_id, output, input_hash=lines[index].input_hash
+            )
+            records[index]["reason"] = stop_reason() if callable(stop_reason) else stop_reason
     return [records[index] for index in range(len(lines))], time.perf_counter() - start

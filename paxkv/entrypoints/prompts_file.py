@@ -5,6 +5,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from paxkv.entrypoints.output_files import request_hash
 from paxkv.scheduling.sampling_params import SamplingParams
 
 # Keys a line may carry besides the sampling fields.
@@ -22,6 +23,12 @@ class PromptLine:
     messages: list[dict] | None
     sampling_params: SamplingParams
     cache_salt: str | None = None
+
+    @property
+    def input_hash(self) -> str:
+        """A hash of everything that decides this line's output, so --resume can tell an edited line."""
+        fields = dataclasses.asdict(self.sampling_params)
+        return request_hash(self.prompt, self.messages, self.cache_salt, fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,28 +110,67 @@ def parse_lines(lines: Iterable[str], defaults: Mapping[str, Any], source: str) 
         if not text.strip():
             continue
         try:
+            _check_utf8(text)
             line = parse_line(text, line_number, defaults)
-            if line.request_id in seen_ids:
-                raise ValueError(f"id {line.request_id!r} appears twice; give each line a unique id")
-            seen_ids.add(line.request_id)
-            parsed.append(line)
         except ValueError as e:
-            parsed.append(BadLine(line_number, f"line-{line_number}", f"{source}:{line_number}: {e}"))
+            parsed.append(BadLine(line_number, _id_of(text, line_number), f"{source}:{line_number}: {e}"))
+            continue
+        if line.request_id in seen_ids:  # the record keeps line-N: the id belongs to the earlier line
+            error = f"{source}:{line_number}: id {line.request_id!r} appears twice; give each line a unique id"
+            parsed.append(BadLine(line_number, f"line-{line_number}", error))
+            continue
+        seen_ids.add(line.request_id)
+        parsed.append(line)
     return parsed
 
 
-def result_record(line_number: int | None, request_id: str, output=None, error: str | None = None) -> dict:
+def decode_file(data: bytes) -> str:
+    """A prompts file's text: UTF-8 without a leading BOM; bytes that are not UTF-8 stay as surrogate escapes, so
+    parse_lines rejects their lines alone (with line numbers) instead of the whole file."""
+    return data.removeprefix(b"\xef\xbb\xbf").decode("utf-8", errors="surrogateescape")
+
+
+def _check_utf8(text: str) -> None:
+    """Raise ValueError at the first byte decode_file could not decode."""
+    for column, char in enumerate(text, start=1):
+        if "\udc80" <= char <= "\udcff":
+            raise ValueError(
+                f"not UTF-8 text (byte 0x{ord(char) - 0xDC00:02x} at column {column}); save the file as UTF-8"
+            )
+
+
+def _id_of(text: str, line_number: int) -> str:
+    """The "id" a bad line gives, when it is a JSON object with one; else line-N."""
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return f"line-{line_number}"
+    if isinstance(record, dict) and isinstance(record.get("id"), (str, int)) and not isinstance(record["id"], bool):
+        return str(record["id"])
+    return f"line-{line_number}"
+
+
+def result_record(
+    line_number: int | None,
+    request_id: str,
+    output=None,
+    error: str | None = None,
+    input_hash: str | None = None,
+) -> dict:
     """One output JSONL object: the request's completion and metrics, or its error.
 
     Args:
       line_number: the input line, when the prompt came from a file.
       request_id: the request's id.
-      output: its finished RequestOutput, when it ran.
+      output: its finished (or aborted) RequestOutput, when it ran.
       error: why it did not run, when it did not.
+      input_hash: PromptLine.input_hash of the line, which --resume compares.
     """
     record: dict[str, Any] = {"id": request_id}
     if line_number is not None:
         record["line"] = line_number
+    if input_hash is not None:
+        record["input_hash"] = input_hash
     if error is not None:
         record["error"] = error
         return record

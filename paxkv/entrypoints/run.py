@@ -27,7 +27,11 @@ flags.DEFINE_string("output", None, "Write one JSON object per request (in input
 flags.DEFINE_bool("skip_bad_lines", False, "Report bad --prompts_file lines and run the rest, instead of stopping.")
 flags.DEFINE_bool("progress", True, "Show a progress bar on stderr.")
 # Sampling defaults; None leaves SamplingParams' own default.
-flags.DEFINE_integer("max_tokens", 64, "Most tokens to generate per prompt.")
+flags.DEFINE_integer(
+    "max_tokens",
+    64,
+    "Most tokens to generate per prompt (SamplingParams defaults to vLLM's 16, short for an answer on a terminal).",
+)
 flags.DEFINE_float("temperature", None, "Sampling temperature; 0 is greedy (default 1.0).")
 flags.DEFINE_float("top_p", None, "Nucleus sampling mass in (0, 1] (default 1: off).")
 flags.DEFINE_integer("top_k", None, "Keep the k most likely tokens; 0 or -1 is off (default).")
@@ -49,6 +53,12 @@ flags.DEFINE_string(
     "(default $PAXKV_COMPILATION_CACHE_DIR or ~/.cache/paxkv/jax_compilation_cache).",
 )
 flags.DEFINE_string("metrics_json", None, "Write the engine's metrics and the run summary to this JSON file.")
+flags.DEFINE_bool(
+    "resume",
+    False,
+    "Complete an earlier run into the same --output: keep every line its output or journal finished (the line "
+    "unchanged) and run the rest.",
+)
 
 
 def _sampling_defaults() -> dict:
@@ -90,29 +100,40 @@ def _collect_lines(defaults: dict):
 
 
 def _read_prompts_file() -> tuple[str | None, str | None]:
-    """(the --prompts_file text, None), or (None, why it cannot be read)."""
+    """(the --prompts_file text, None), or (None, why it cannot be read or holds nothing)."""
+    from paxkv.entrypoints.prompts_file import decode_file
+
     try:
-        with open(FLAGS.prompts_file, encoding="utf-8") as f:
-            return f.read(), None
+        with open(FLAGS.prompts_file, "rb") as f:
+            text = decode_file(f.read())
     except OSError as e:
         return None, f"cannot read --prompts_file: {e}"
-    except UnicodeDecodeError as e:
-        return None, f"--prompts_file {FLAGS.prompts_file} is not UTF-8 text ({e.reason})"
+    if not text.strip():
+        return None, f"--prompts_file {FLAGS.prompts_file} is empty; give one JSON object per line"
+    return text, None
 
 
-def _summary(engine, wall_seconds: float, num_failed: int) -> dict:
-    """The end-of-run summary as a dict."""
+def _summary(engine, wall_seconds: float, num_failed: int, compiling) -> dict:
+    """The end-of-run summary as a dict; `compiling` is the CompileTotals of the run's own steps."""
     metrics = engine.metrics
+    tokens = metrics.num_prompt_tokens + metrics.num_generated_tokens
+    running = max(wall_seconds - compiling.seconds, 0.0)  # the run's time less its compiles and cache loads
+
+    def rate(count: int, seconds: float) -> float:
+        return count / seconds if seconds > 0 else 0.0
+
     return {
         "requests": metrics.num_finished_requests,
         "rejected_requests": num_failed,
         "prompt_tokens": metrics.num_prompt_tokens,
         "generated_tokens": metrics.num_generated_tokens,
         "wall_seconds": wall_seconds,
-        "generated_tokens_per_s": metrics.num_generated_tokens / wall_seconds if wall_seconds > 0 else 0.0,
-        "total_tokens_per_s": (metrics.num_prompt_tokens + metrics.num_generated_tokens) / wall_seconds
-        if wall_seconds > 0
-        else 0.0,
+        "generated_tokens_per_s": rate(metrics.num_generated_tokens, wall_seconds),
+        "total_tokens_per_s": rate(tokens, wall_seconds),
+        "compile_seconds": compiling.seconds,
+        "programs_compiled": compiling.compiled,
+        "programs_from_cache": compiling.cache_hits,
+        "generated_tokens_per_s_without_compile": rate(metrics.num_generated_tokens, running),
         "peak_kv_pages_used": metrics.peak_kv_pages_used,
         "kv_pages_total": metrics.num_total_pages,
         "kv_waste_percent": 100 * metrics.kv_waste_fraction,
@@ -135,10 +156,12 @@ def _print_summary(summary: dict) -> None:
         f"{summary['prompt_tokens']} prompt + {summary['generated_tokens']} generated tokens in "
         f"{summary['wall_seconds']:.1f} s: {summary['generated_tokens_per_s']:.1f} generated tok/s, "
         f"{summary['total_tokens_per_s']:.1f} total tok/s\n"
+        f"# compiling: {summary['compile_seconds']:.1f} s of that for {summary['programs_compiled']} programs "
+        f"compiled and {summary['programs_from_cache']} loaded from the compilation cache; "
+        f"{summary['generated_tokens_per_s_without_compile']:.1f} generated tok/s without it\n"
         f"# KV: peak {summary['peak_kv_pages_used']}/{summary['kv_pages_total']} pages, "
         f"waste {summary['kv_waste_percent']:.1f}%, {summary['preemptions']} preemptions "
-        f"({summary['preemptions_recompute']} recompute, {summary['preemptions_swap']} swap), "
-        f"{summary['compilations']} step compilations\n"
+        f"({summary['preemptions_recompute']} recompute, {summary['preemptions_swap']} swap)\n"
         f"# prefix cache: {summary['prefix_hit_tokens']}/{summary['prefix_query_tokens']} prompt tokens hit "
         f"({summary['prefix_hit_percent']:.1f}%), {summary['kv_pages_cached_idle']} idle cached pages, "
         f"{summary['prefix_evictions']} evictions",
@@ -183,6 +206,45 @@ def main(argv):
     if FLAGS.plan:
         _print_plan()
         return
+    from paxkv.entrypoints.interrupts import GracefulStop
+
+    with GracefulStop() as stop:
+        _run(stop)
+
+
+def _check_output_paths() -> None:
+    """Exit with the reason unless --output and --metrics_json can be written (before anything loads)."""
+    from paxkv.entrypoints.output_files import check_writable
+
+    for flag, path in (("--output", FLAGS.output), ("--metrics_json", FLAGS.metrics_json)):
+        if path:
+            try:
+                check_writable(path, flag)
+            except ValueError as e:
+                sys.exit(f"paxkv: {e}")
+
+
+def _resume_split(lines: list, leader: bool) -> tuple[list, dict[int, dict]]:
+    """(lines to run, {index: earlier record} of lines done), decided by process 0 and shared with the others."""
+    from paxkv.entrypoints.resume import finished_records, split_done
+    from paxkv.parallel.distributed import broadcast_json
+
+    def decide():
+        try:
+            _, done = split_done(lines, finished_records(FLAGS.output))
+        except ValueError as e:
+            return {"error": str(e)}
+        return {"done": {str(index): record for index, record in done.items()}}
+
+    decision = broadcast_json(decide() if leader else None)
+    if "error" in decision:
+        sys.exit(f"paxkv: {decision['error']}")
+    done = {int(index): record for index, record in decision["done"].items()}
+    return [line for index, line in enumerate(lines) if index not in done], done
+
+
+def _run(stop) -> None:
+    """Everything after flag parsing, under the run's signal handlers."""
     from paxkv.parallel.distributed import initialize, is_leader
 
     try:
@@ -197,7 +259,13 @@ def main(argv):
         raise app.UsageError(str(e)) from None
     except RuntimeError as e:
         sys.exit(f"paxkv: {e}")
-    lines = _collect_lines(_sampling_defaults())
+    leader = is_leader()  # only process 0 writes outputs and metrics; every process computes
+    if FLAGS.resume and not FLAGS.output:
+        raise app.UsageError("--resume needs --output: it completes the output (and journal) of an earlier run")
+    if leader:
+        _check_output_paths()
+    all_lines = _collect_lines(_sampling_defaults())
+    lines, done = _resume_split(all_lines, leader) if FLAGS.resume else (all_lines, {})
     try:
         engine_config = config_from_flags(EngineConfig)
         load_config = config_from_flags(LoadConfig)
@@ -208,27 +276,50 @@ def main(argv):
     from paxkv.core.engine import Engine
     from paxkv.entrypoints.batch_runner import BadRequestsError, run_lines
     from paxkv.entrypoints.compilation_cache import enable_compilation_cache
+    from paxkv.entrypoints.compile_time import compile_totals
+    from paxkv.entrypoints.output_files import Journal, journal_path, jsonl, write_atomically
+    from paxkv.entrypoints.resume import merge
+    from paxkv.parallel.distributed import any_process
     from paxkv.parallel.mesh import load_on_mesh
 
     enable_compilation_cache(FLAGS.compilation_cache_dir)
     try:
         loaded = load_on_mesh(
-            FLAGS.model, engine_config.mesh_shape, dtype=load_config.dtype, attention_impl=load_config.attention_impl
+            FLAGS.model,
+            engine_config.mesh_shape,
+            dtype=load_config.dtype,
+            attention_impl=load_config.attention_impl,
+            allow_nonfinite_weights=load_config.allow_nonfinite_weights,
+            require_tokenizer=not load_config.skip_tokenizer_init,
         )
         engine = Engine(loaded, engine_config)
     except (CheckpointError, ValueError) as e:
         sys.exit(f"paxkv: {e}")
     num_pages, page_size = engine.scheduler.num_total_pages, engine_config.page_size
-    leader = is_leader()  # only process 0 writes outputs and metrics; every process computes
     if leader:
         print(
             f"# model {loaded.source} ({loaded.config.model_type}, {loaded.config.num_layers} layers), loaded in "
             f"{loaded.load_seconds:.1f} s\n# KV pool: {num_pages} pages of {page_size} tokens = "
             f"{num_pages * page_size} tokens of {engine.pool.dtype.name}, {engine.pool.bytes_per_token} bytes per "
-            f"token (8-bit scales included), {engine.pool.total_bytes / 2**20:.0f} MiB",
+            f"token{' (8-bit scales included)' if engine.pool.dtype.itemsize == 1 else ''}, "
+            f"{engine.pool.total_bytes / 2**20:.0f} MiB",
             file=sys.stderr,
         )
+        if done:
+            print(
+                f"# --resume: {len(done)} of {len(all_lines)} lines already finished; running {len(lines)}",
+                file=sys.stderr,
+            )
+    journal = Journal(journal_path(FLAGS.output), keep_existing=FLAGS.resume) if FLAGS.output and leader else None
     stream = FLAGS.output is None and len(lines) == 1 and leader
+
+    def stop_reason() -> str:
+        if stop.requested:
+            return f"interrupted by {stop.name} before it finished; rerun with --resume to finish it"
+        return "another process of this run was interrupted before it finished; rerun with --resume"
+
+    stop.arm()
+    compiled_before = compile_totals()
     try:
         records, wall_seconds = run_lines(
             engine,
@@ -236,16 +327,26 @@ def main(argv):
             skip_bad_lines=FLAGS.skip_bad_lines,
             stream_to=sys.stdout if stream else None,
             progress=FLAGS.progress and not stream and leader,
+            on_record=journal.append if journal else None,
+            should_stop=lambda: any_process(stop.requested),  # every process stops at the same step
+            stop_reason=stop_reason,
         )
     except BadRequestsError as e:
         sys.exit(f"paxkv: {len(e.errors)} request(s) cannot run; fix them or pass --skip_bad_lines:\n{e}")
+    compiling = compile_totals() - compiled_before
+    records = merge(all_lines, lines, records, done)
+    aborted = [record for record in records if record.get("finish_reason") == "abort"]
     if not leader:
+        if aborted:
+            sys.exit(stop.exit_code if stop.requested else 1)
         return
     num_failed = sum("error" in record for record in records)
     if FLAGS.output:
-        with open(FLAGS.output, "w", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        write_atomically(FLAGS.output, jsonl(records))
+        if not aborted:
+            journal.remove()  # the output holds everything now
+        else:
+            journal.close()
     elif not stream:
         for record in records:
             print(f"--- {record['id']}")
@@ -253,19 +354,36 @@ def main(argv):
     for record in records:
         if "error" in record:
             print(f"paxkv: {record['error']}", file=sys.stderr)
-    summary = _summary(engine, wall_seconds, num_failed)
+    summary = _summary(engine, wall_seconds, num_failed, compiling)
+    summary.update(resumed_requests=len(done), aborted_requests=len(aborted))
     _print_summary(summary)
     if FLAGS.metrics_json:
-        with open(FLAGS.metrics_json, "w") as f:
-            json.dump(
-                {"load_seconds": loaded.load_seconds, "summary": summary, "engine": engine.metrics.as_dict()},
-                f,
-                indent=2,
-            )
+        report = {"load_seconds": loaded.load_seconds, "summary": summary, "engine": engine.metrics.as_dict()}
+        write_atomically(FLAGS.metrics_json, json.dumps(report, indent=2))
+    if aborted:
+        started = sum(record.get("num_generated_tokens", 0) > 0 for record in aborted)
+        why = stop.name if stop.requested else "another process's signal"
+        print(
+            f"paxkv: {why}: {len(records) - len(aborted) - num_failed} of {len(records)} requests finished; "
+            f"{started} aborted mid-generation and {len(aborted) - started} never started (finish_reason "
+            f'"abort"). Rerun the same command with --resume to finish them.',
+            file=sys.stderr,
+        )
+        sys.exit(stop.exit_code if stop.requested else 1)
 
 
 def run():
     """Console-script entry point."""
+    # absl's --help lists the main module's flags, and under the `paxkv` script that module is the script itself,
+    # which defines none: make this module's flags (and the config fields' ones) the script's own.
+    from paxkv.entrypoints import config_flags
+
+    for module in (sys.modules[__name__], config_flags):
+        for flag in FLAGS.get_key_flags_for_module(module):
+            FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+    main_module = sys.modules["__main__"]
+    if not main_module.__doc__:  # --help starts with the main module's docstring: this one's examples
+        main_module.__doc__ = __doc__
     app.run(main)
 
 

@@ -139,6 +139,15 @@ def agreed_minimum(value: int) -> int:
     return int(np.min(multihost_utils.process_allgather(np.asarray([value], np.int32))))
 
 
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is true on any process; every process must call it at the same point (e.g. each step)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray([flag], np.bool_))))
+
+
 def environment_defaults() -> dict:
     """Coordinator settings from PAXKV_COORDINATOR_ADDRESS, PAXKV_NUM_PROCESSES and PAXKV_PROCESS_ID, if set."""
     values = {}
