@@ -3,6 +3,7 @@ and --resume, all through the real `paxkv` command line on conftest's word-level
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -74,6 +75,7 @@ def uninterrupted(word_level_llama, prompts_file, tmp_path_factory) -> dict[str,
     output = tmp_path_factory.mktemp("uninterrupted") / "out.jsonl"
     result = _run(_command(word_level_llama, prompts_file, output))
     assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"tokens of float32, \d+ bytes per token, \d+ MiB", result.stderr)  # no "8-bit scales" note
     records = _records(output)
     assert [r["id"] for r in records] == [f"q{i}" for i in range(NUM_LINES)]
     assert all(len(r["token_ids"]) == 16 and r["finish_reason"] == "length" for r in records)
@@ -123,6 +125,9 @@ def test_a_signal_mid_batch_keeps_what_finished_and_resume_completes_it(
     resumed = _run(command + ["--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"# --resume: {len(finished)} of {NUM_LINES} lines already finished" in resumed.stderr
+    # Its programs come from the compilation cache, and the summary says so apart from the generation rate.
+    compiling = re.search(r"# compiling: [\d.]+ s of that for (\d+) programs compiled and (\d+) loaded", resumed.stderr)
+    assert compiling and int(compiling[2]) > 0, resumed.stderr[-2000:]
     assert _tokens(_records(output)) == uninterrupted
     assert not os.path.exists(journal_path(str(output)))
 
@@ -177,3 +182,21 @@ def test_unwritable_paths_fail_before_the_model_loads(word_level_llama, prompts_
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert message.format(path=path, tmp=tmp_path) in result.stderr
     assert "# model" not in result.stderr and not output.exists()  # stopped before loading
+
+
+def test_an_empty_prompts_file_says_so(word_level_llama, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    result = _run(_command(word_level_llama, empty, tmp_path / "out.jsonl"), timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"paxkv: --prompts_file {empty} is empty; give one JSON object per line" in result.stderr
+
+
+def test_help_lists_paxkvs_own_flags():
+    """`paxkv --help` (the console script, whose main module defines no flags) lists the runner's flags."""
+    script = os.path.join(os.path.dirname(sys.executable), "paxkv")
+    result = subprocess.run([script, "--help"], env=_env(), capture_output=True, text=True, timeout=120)
+    assert result.stdout.startswith("The `paxkv` command line"), result.stderr[-2000:]  # absl exits 1 after help
+    for flag in ("prompts_file", "resume", "max_num_seqs", "kv_cache_dtype", "allow_nonfinite_weights"):
+        assert re.search(rf"^  --(\[no\])?{flag}\b", result.stdout, re.MULTILINE), flag
+    assert "SamplingParams defaults to\n    vLLM's 16" in result.stdout  # why the runner's max_tokens is 64

@@ -2,9 +2,11 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from subprocess_env import subprocess_env
@@ -170,3 +172,50 @@ def test_unreachable_coordinator_fails_after_the_timeout_with_a_clear_error(tmp_
     assert result.returncode != 0
     assert "could not join the multi-process run at 127.0.0.1:" in result.stderr
     assert "within 3 s" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_signal_to_one_process_stops_every_process_at_the_same_step(tiny_model, tmp_path):
+    """SIGTERM to process 1 alone: both stop after the same step (else process 0 would wait in a collective),
+    process 0 writes what finished and the aborted lines with the reason, and each exits with a code."""
+    model_dir, _ = tiny_model
+    prompts = tmp_path / "long.jsonl"
+    lines = [{"id": f"q{i}", "prompt": f"w{i + 1} w{i + 2}", "max_tokens": 16, "ignore_eos": True} for i in range(16)]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    output, port = tmp_path / "out.jsonl", _free_port()
+    flags = [*_run_flags(model_dir, prompts), "--max_num_seqs=2", "--noprogress", "--mesh=data=1,model=4"]
+    processes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "paxkv.entrypoints.run",
+                *flags,
+                f"--coordinator_address=127.0.0.1:{port}",
+                "--num_processes=2",
+                f"--process_id={i}",
+                f"--output={output}",
+            ],
+            env=subprocess_env(
+                JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="2", PYTHONPATH=ROOT, PAXKV_COMPILATION_CACHE_MIN_SECONDS="0"
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    journal = f"{output}.journal"
+    deadline = time.monotonic() + 240
+    while not (os.path.exists(journal) and sum(1 for _ in open(journal)) >= 2):
+        assert time.monotonic() < deadline and processes[0].poll() is None, processes[0].stderr.read()
+        time.sleep(0.01)
+    processes[1].send_signal(signal.SIGTERM)
+    (_, leader_err), (_, other_err) = (p.communicate(timeout=120) for p in processes)
+    assert processes[1].returncode == 143 and "Traceback" not in other_err, other_err[-2000:]
+    assert processes[0].returncode == 1 and "Traceback" not in leader_err, leader_err[-2000:]
+    assert "paxkv: another process's signal: " in leader_err and "--resume" in leader_err
+    records = [json.loads(line) for line in open(output)]
+    assert [r["id"] for r in records] == [f"q{i}" for i in range(16)]
+    aborted = [r for r in records if r["finish_reason"] == "abort"]
+    assert aborted and len(aborted) < 16
+    assert all(r["reason"].startswith("another process of this run was interrupted") for r in aborted)

@@ -30,6 +30,11 @@ class GracefulStop:
             self._previous[number] = signal.signal(number, self._handle)
         return self
 
+    def reinstall(self) -> None:
+        """Take the signals back from whatever replaced the handlers (jax.distributed's SIGTERM notifier does)."""
+        for number in HANDLED:
+            signal.signal(number, self._handle)
+
     def __exit__(self, *exc) -> None:
         for number, handler in self._previous.items():
             signal.signal(number, handler)

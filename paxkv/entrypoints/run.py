@@ -61,6 +61,11 @@ flags.DEFINE_bool(
 )
 
 
+def _usage_error(message: str):
+    """Exit with one line naming what is wrong with the command (absl's UsageError would print every flag)."""
+    sys.exit(f"paxkv: {message} (paxkv --help lists the flags)")
+
+
 def _sampling_defaults() -> dict:
     """The sampling fields the flags set."""
     defaults = {"max_tokens": FLAGS.max_tokens}
@@ -79,7 +84,7 @@ def _collect_lines(defaults: dict):
     try:
         params = SamplingParams.from_dict(defaults)  # the flags alone must make valid params
     except ValueError as e:
-        raise app.UsageError(str(e)) from None
+        _usage_error(str(e))
     lines: list = []
     for index, prompt in enumerate(FLAGS.prompt or []):
         messages = [{"role": "user", "content": prompt}] if FLAGS.chat else None
@@ -88,10 +93,10 @@ def _collect_lines(defaults: dict):
         # Process 0 reads the file and every process gets its text, so all run the same requests.
         text, error = broadcast_json(_read_prompts_file() if is_leader() else None)
         if error:
-            raise app.UsageError(error)
+            _usage_error(error)
         lines += parse_lines(io.StringIO(text), defaults, FLAGS.prompts_file)
     if not lines:
-        raise app.UsageError("nothing to run: give --prompt (repeatable) or --prompts_file")
+        _usage_error("nothing to run: give --prompt (repeatable) or --prompts_file")
     bad = [line for line in lines if isinstance(line, BadLine)]
     if bad and not FLAGS.skip_bad_lines:
         errors = "\n".join(line.error for line in bad)
@@ -199,7 +204,7 @@ def _print_plan() -> None:
 
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}; prompts go in --prompt or --prompts_file")
+        _usage_error(f"unexpected arguments {argv[1:]}; prompts go in --prompt or --prompts_file")
     if not FLAGS["verbosity"].present:
         # Quiet by default: library INFO lines (e.g. JAX probing for a TPU) are noise; --verbosity=0 shows them.
         logging.set_verbosity(logging.WARNING)
@@ -256,12 +261,13 @@ def _run(stop) -> None:
             auto_detect=FLAGS.distributed_auto,
         )
     except ValueError as e:
-        raise app.UsageError(str(e)) from None
+        _usage_error(str(e))
     except RuntimeError as e:
         sys.exit(f"paxkv: {e}")
+    stop.reinstall()  # jax.distributed installs its own SIGTERM handler, which would swallow the signal
     leader = is_leader()  # only process 0 writes outputs and metrics; every process computes
     if FLAGS.resume and not FLAGS.output:
-        raise app.UsageError("--resume needs --output: it completes the output (and journal) of an earlier run")
+        _usage_error("--resume needs --output: it completes the output (and journal) of an earlier run")
     if leader:
         _check_output_paths()
     all_lines = _collect_lines(_sampling_defaults())
@@ -270,7 +276,7 @@ def _run(stop) -> None:
         engine_config = config_from_flags(EngineConfig)
         load_config = config_from_flags(LoadConfig)
     except ValueError as e:
-        raise app.UsageError(str(e)) from None
+        _usage_error(str(e))
 
     from models import CheckpointError
     from paxkv.core.engine import Engine
