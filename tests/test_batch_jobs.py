@@ -148,6 +148,18 @@ def test_kill_9_leaves_a_journal_that_resume_completes(word_level_llama, prompts
     assert _tokens(_records(output)) == uninterrupted
 
 
+def test_a_second_signal_exits_at_once_with_the_journal_intact(word_level_llama, prompts_file, uninterrupted, tmp_path):
+    output = tmp_path / "out.jsonl"
+    process = _start_and_wait_for_journal(_command(word_level_llama, prompts_file, output), output)
+    process.send_signal(signal.SIGINT)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
+    assert "paxkv: second signal (SIGINT); exiting now, the journal holds what finished" in stderr
+    journaled = _records(journal_path(str(output)))
+    assert len(journaled) >= 3 and all(r["token_ids"] == uninterrupted[r["id"]] for r in journaled)
+
+
 def test_resume_refuses_a_finished_line_that_changed(word_level_llama, prompts_file, uninterrupted, tmp_path):
     output = tmp_path / "out.jsonl"
     records = [

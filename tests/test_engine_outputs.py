@@ -140,8 +140,12 @@ def test_malformed_requests_name_the_problem(tiny):
         engine.add_request("p", [1, 2], priority="high")
     with pytest.raises(ValueError, match="must be a SamplingParams"):
         engine.add_request("d", [1, 2], {"temperature": 0})
-    with pytest.raises(ValueError, match="list of ints"):
+    with pytest.raises(ValueError, match=r"request 's': token id 0 is 'a' \(str\); token ids must be integers"):
         engine.add_request("s", ["a", "b"])
+    with pytest.raises(ValueError, match=r"request 'f': token id 1 is 2\.5 \(float\); token ids must be integers"):
+        engine.add_request("f", [1, 2.5])
+    with pytest.raises(ValueError, match=r"request 'i': token ids must be a list of integers, not int"):
+        engine.add_request("i", 7)
     with pytest.raises(ValueError, match="stop_token_ids outside the vocabulary"):
         engine.add_request("t", [1, 2], SamplingParams(stop_token_ids=[5, 10_000], min_tokens=2))
     with pytest.raises(ValueError, match="logprobs must be None or in \\[0, 20\\]"):
