@@ -38,15 +38,17 @@ class StaticGraph:
 
 
 # id(graphdef) -> (graphdef, its StaticGraph). Holding the graphdef keeps its id from being reused, and one
-# StaticGraph per graphdef lets every engine over the same model share compiled steps.
+# StaticGraph per distinct graphdef lets every engine over the same architecture share compiled steps: a new
+# load's graphdef is compared with the known ones once (a walk of the module tree), never again per step.
 _STATIC_GRAPHS: dict[int, tuple[nnx.GraphDef, StaticGraph]] = {}
 
 
 def static_graph(graphdef: nnx.GraphDef) -> StaticGraph:
-    """The one StaticGraph of `graphdef`."""
+    """The one StaticGraph of `graphdef`, shared with every equal graphdef seen before."""
     entry = _STATIC_GRAPHS.get(id(graphdef))
     if entry is None:
-        entry = _STATIC_GRAPHS[id(graphdef)] = (graphdef, StaticGraph(graphdef))
+        shared = next((known for other, known in _STATIC_GRAPHS.values() if other == graphdef), None)
+        entry = _STATIC_GRAPHS[id(graphdef)] = (graphdef, shared or StaticGraph(graphdef))
     return entry[1]
 
 
