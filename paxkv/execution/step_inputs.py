@@ -20,10 +20,20 @@ def num_buckets(maximum: int) -> int:
     return max(0, maximum - 1).bit_length() + 1
 
 
+# A step that prefills (more tokens than rows) pads T to at least this many tokens. Short prompts and prompt
+# tails of 2, 4 and 8 tokens would each compile a program of their own (seconds apiece for a 30-layer model)
+# to save padding that costs little once per request; pure decode steps keep T = S, where padding would cost
+# every step (on CPU an 8-row matmul costs ~1.6x a 1-row one).
+MIN_PREFILL_TOKENS = 16
+
+
 def padded_batch_sizes(batch: ReplicaBatch, max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, int]:
     """(T, S): the token and row buckets a batch pads to."""
+    num_tokens = batch.num_batched_tokens
+    if num_tokens > batch.num_seqs:
+        num_tokens = max(num_tokens, MIN_PREFILL_TOKENS)
     return (
-        power_of_two_bucket(batch.num_batched_tokens, max_num_batched_tokens),
+        power_of_two_bucket(num_tokens, max_num_batched_tokens),
         power_of_two_bucket(batch.num_seqs, max_num_seqs),
     )
 
