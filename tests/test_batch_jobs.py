@@ -143,6 +143,13 @@ def test_kill_9_leaves_a_journal_that_resume_completes(word_level_llama, prompts
     journaled = _records(journal_path(str(output)))
     assert len(journaled) >= 3 and all(r["token_ids"] == uninterrupted[r["id"]] for r in journaled)
 
+    again = _run(command, timeout=120)  # without --resume, the journal's results are not thrown away
+    assert again.returncode == 1 and "Traceback" not in again.stderr
+    assert (
+        f"paxkv: {journal_path(str(output))} holds the results an earlier run of this output finished; rerun "
+        "with --resume to keep them and run the rest, or delete it to start over" in again.stderr
+    )
+
     resumed = _run(command + ["--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _tokens(_records(output)) == uninterrupted
@@ -151,11 +158,12 @@ def test_kill_9_leaves_a_journal_that_resume_completes(word_level_llama, prompts
 def test_a_second_signal_exits_at_once_with_the_journal_intact(word_level_llama, prompts_file, uninterrupted, tmp_path):
     output = tmp_path / "out.jsonl"
     process = _start_and_wait_for_journal(_command(word_level_llama, prompts_file, output), output)
+    # Two different signals, since the kernel merges a second SIGINT still pending with the first.
     process.send_signal(signal.SIGINT)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
-    assert "paxkv: second signal (SIGINT); exiting now, the journal holds what finished" in stderr
+    assert process.returncode == 143 and "Traceback" not in stderr, stderr[-2000:]
+    assert "paxkv: second signal (SIGTERM); exiting now, the journal holds what finished" in stderr
     journaled = _records(journal_path(str(output)))
     assert len(journaled) >= 3 and all(r["token_ids"] == uninterrupted[r["id"]] for r in journaled)
 

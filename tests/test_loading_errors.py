@@ -4,6 +4,7 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import re
 
 import gguf
 import numpy as np
@@ -67,6 +68,19 @@ def test_tiny_folder_loads(tmp_path):
     loaded = models.load(write_hf_dir(tmp_path / "ok"), require_tokenizer=False)
     assert loaded.config.num_layers == 2
     assert loaded.tokenizer is None
+
+
+def test_folder_without_a_tokenizer_names_the_way_to_load_weights_only_everywhere(tmp_path):
+    directory = write_hf_dir(tmp_path / "weights_only")
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(
+            "has no tokenizer (tokenizer.json); copy the model's tokenizer.json and tokenizer_config.json into it, "
+            "or load weights only (prompts then given as token ids): --skip_tokenizer_init on the command line, "
+            "LLM(skip_tokenizer_init=True), or models.load(require_tokenizer=False)"
+        ),
+    ):
+        models.load(directory)
 
 
 def test_folder_without_config(tmp_path):

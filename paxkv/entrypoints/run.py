@@ -6,6 +6,7 @@ paxkv --prompts_file prompts.jsonl --output results.jsonl --max_num_seqs 64
 
 import io
 import json
+import os
 import sys
 
 from absl import app, flags, logging
@@ -219,7 +220,7 @@ def main(argv):
 
 def _check_output_paths() -> None:
     """Exit with the reason unless --output and --metrics_json can be written (before anything loads)."""
-    from paxkv.entrypoints.output_files import check_writable
+    from paxkv.entrypoints.output_files import check_writable, journal_path
 
     for flag, path in (("--output", FLAGS.output), ("--metrics_json", FLAGS.metrics_json)):
         if path:
@@ -227,6 +228,12 @@ def _check_output_paths() -> None:
                 check_writable(path, flag)
             except ValueError as e:
                 sys.exit(f"paxkv: {e}")
+    journal = journal_path(FLAGS.output) if FLAGS.output else None
+    if journal and os.path.exists(journal) and not FLAGS.resume:
+        sys.exit(
+            f"paxkv: {journal} holds the results an earlier run of this output finished; rerun with --resume to "
+            "keep them and run the rest, or delete it to start over"
+        )
 
 
 def _resume_split(lines: list, leader: bool) -> tuple[list, dict[int, dict]]:
@@ -338,6 +345,8 @@ def _run(stop) -> None:
             stop_reason=stop_reason,
         )
     except BadRequestsError as e:
+        if journal:
+            journal.remove()  # nothing ran
         sys.exit(f"paxkv: {len(e.errors)} request(s) cannot run; fix them or pass --skip_bad_lines:\n{e}")
     compiling = compile_totals() - compiled_before
     records = merge(all_lines, lines, records, done)
