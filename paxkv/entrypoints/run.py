@@ -218,8 +218,8 @@ def main(argv):
         _run(stop)
 
 
-def _check_output_paths() -> None:
-    """Exit with the reason unless --output and --metrics_json can be written (before anything loads)."""
+def _output_paths_problem() -> str | None:
+    """Why --output or --metrics_json cannot be written (or would drop an earlier run's journal), or None."""
     from paxkv.entrypoints.output_files import check_writable, journal_path
 
     for flag, path in (("--output", FLAGS.output), ("--metrics_json", FLAGS.metrics_json)):
@@ -227,13 +227,14 @@ def _check_output_paths() -> None:
             try:
                 check_writable(path, flag)
             except ValueError as e:
-                sys.exit(f"paxkv: {e}")
+                return str(e)
     journal = journal_path(FLAGS.output) if FLAGS.output else None
     if journal and os.path.exists(journal) and not FLAGS.resume:
-        sys.exit(
-            f"paxkv: {journal} holds the results an earlier run of this output finished; rerun with --resume to "
-            "keep them and run the rest, or delete it to start over"
+        return (
+            f"{journal} holds the results an earlier run of this output finished; rerun with --resume to keep them "
+            "and run the rest, or delete it to start over"
         )
+    return None
 
 
 def _resume_split(lines: list, leader: bool) -> tuple[list, dict[int, dict]]:
@@ -257,7 +258,7 @@ def _resume_split(lines: list, leader: bool) -> tuple[list, dict[int, dict]]:
 
 def _run(stop) -> None:
     """Everything after flag parsing, under the run's signal handlers."""
-    from paxkv.parallel.distributed import initialize, is_leader
+    from paxkv.parallel.distributed import broadcast_json, initialize, is_leader
 
     try:
         initialize(
@@ -275,8 +276,10 @@ def _run(stop) -> None:
     leader = is_leader()  # only process 0 writes outputs and metrics; every process computes
     if FLAGS.resume and not FLAGS.output:
         _usage_error("--resume needs --output: it completes the output (and journal) of an earlier run")
-    if leader:
-        _check_output_paths()
+    # Process 0 checks the paths it will write, and every process hears the verdict (so none waits alone).
+    problem = broadcast_json(_output_paths_problem() if leader else None)
+    if problem:
+        sys.exit(f"paxkv: {problem}")
     all_lines = _collect_lines(_sampling_defaults())
     lines, done = _resume_split(all_lines, leader) if FLAGS.resume else (all_lines, {})
     try:
