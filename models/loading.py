@@ -99,21 +99,24 @@ def load(
 
 
 @jax.jit
-def _nonfinite_counts(leaves: list) -> list:
-    """How many NaN or Inf values each floating array holds (0 for integer arrays)."""
-    return [
-        jnp.sum(~jnp.isfinite(leaf)) if jnp.issubdtype(leaf.dtype, jnp.inexact) else jnp.zeros((), jnp.int32)
-        for leaf in leaves
-    ]
+def _nonfinite_count(leaf: jax.Array) -> jax.Array:
+    """How many NaN or Inf values `leaf` holds (a model has few distinct shapes, so this compiles few times)."""
+    return jnp.sum(~jnp.isfinite(leaf), dtype=jnp.int32)
 
 
 def check_finite_weights(state: nnx.State, source: str) -> None:
     """Raise CheckpointError naming every tensor of `state` that holds NaN or Inf (one pass over the weights)."""
-    flat = nnx.to_flat_state(state)
-    names = [".".join(str(part) for part in path) for path, _ in flat]
-    counts = _nonfinite_counts([variable.get_value() for _, variable in flat])
-    counts = [int(np.asarray(count.addressable_data(0))) for count in counts]  # replicated scalars
-    bad = [f"{name} ({n} value{'s' * (n > 1)})" for name, n in zip(names, counts, strict=True) if n]
+    flat = [(path, variable.get_value()) for path, variable in nnx.to_flat_state(state)]
+    counts = [
+        (".".join(str(part) for part in path), _nonfinite_count(value))  # dispatched all at once, read below
+        for path, value in flat
+        if jnp.issubdtype(value.dtype, jnp.inexact)
+    ]
+    bad = []
+    for name, count in counts:
+        n = int(np.asarray(count.addressable_data(0)))  # a replicated scalar, on every process
+        if n:
+            bad.append(f"{name} ({n} value{'s' * (n > 1)})")
     if bad:
         raise CheckpointError(
             f"{source}: weights hold NaN or Inf in {', '.join(bad[:5])}{' and more' if len(bad) > 5 else ''}; the "
