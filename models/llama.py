@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import GatedMLP, PagedAttention, RMSNorm, init_param
+from models.layers import GatedMLP, PagedAttention, RMSNorm, init_param, project
 from pallas_kernels import AttentionMetadata
 
 
@@ -86,9 +86,8 @@ class Llama(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:  # [T, D] -> f32[T, vocab]
         """Project hidden states onto the vocabulary."""
-        dtype = hidden.dtype
         if self.lm_head is None:
-            logits = jnp.einsum("TD,VD->TV", hidden, self.embed[...].astype(dtype))
+            logits = project("TD,VD->TV", hidden, self.embed[...])
         else:
-            logits = jnp.einsum("TD,DV->TV", hidden, self.lm_head[...].astype(dtype))
+            logits = project("TD,DV->TV", hidden, self.lm_head[...])
         return logits.astype(jnp.float32)

@@ -51,13 +51,21 @@ def _median_ms(values) -> float:
 
 
 def _device_split(engine, loaded) -> dict:
-    """Median ms of the decode batch's step: whole, with attention reduced to the KV write, and the lm_head alone."""
+    """Median ms of the decode batch's step, whole and with parts removed one after another, plus the lm_head and
+    the sampler alone.
+
+    Each variant is a separate jitted program over the same inputs, with one more part of every layer replaced:
+    attention by the KV write alone, then the KV write too, then the MLP, then the attention block's projections,
+    RoPE and norms. Consecutive differences give each part's share; what is left is the embedding, the lm_head and
+    the sampler.
+    """
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     import models.layers
     from pallas_kernels import write_kv
+    from paxkv.execution.sampler import sample
     from paxkv.execution.step import engine_step, static_graph
 
     # The batch is only read here (never run through Engine.step), so the scheduler needs no update.
@@ -65,44 +73,73 @@ def _device_split(engine, loaded) -> dict:
     step_batch, with_logprobs = engine.runner.step_batch(batch, engine.outputs.seed_of)
     num_rows = step_batch.sampling.temperature.shape[-1]
 
-    def time_step(graph, repeats=10):
-        caches = jax.tree.map(jnp.copy, engine.kv_caches)
+    def time_call(fn, *args, repeats=10):
+        jax.block_until_ready(fn(*args))  # compile and warm
         times = []
-        for _ in range(repeats + 1):
+        for _ in range(repeats):
             start = time.perf_counter()
-            out, caches = engine_step(graph, loaded.state, caches, step_batch, with_logprobs)
-            jax.block_until_ready(out)
+            jax.block_until_ready(fn(*args))
             times.append(time.perf_counter() - start)
-        return _median_ms(times[1:])
+        return _median_ms(times)
 
-    whole = time_step(static_graph(loaded.graphdef))
-    original = models.layers.attention_on_mesh
+    def time_step():
+        # Equal graphdefs share one StaticGraph, so only clearing jit's caches makes the patched model recompile.
+        jax.clear_caches()
+        caches = jax.tree.map(jnp.copy, engine.kv_caches)
+
+        def step():
+            nonlocal caches
+            out, caches = engine_step(static_graph(loaded.graphdef), loaded.state, caches, step_batch, with_logprobs)
+            return out
+
+        return time_call(step)
 
     def write_only(q, k, v, kv_pages, metadata, **kwargs):
         return q, write_kv(kv_pages, k, v, metadata.slots)
 
-    models.layers.attention_on_mesh = write_only
+    def nothing(q, k, v, kv_pages, metadata, **kwargs):
+        return q, kv_pages
+
+    def no_mlp(self, x):
+        return jnp.zeros_like(x)
+
+    def no_attention_block(self, x, positions, kv_pages, metadata):
+        return jnp.zeros_like(x), kv_pages
+
+    removals = [
+        ("attention", [(models.layers, "attention_on_mesh", write_only)]),
+        ("kv_write", [(models.layers, "attention_on_mesh", nothing)]),
+        ("mlp", [(models.layers.GatedMLP, "__call__", no_mlp)]),
+        ("projections_rope_norms", [(models.layers.PagedAttention, "__call__", no_attention_block)]),
+    ]
+    originals = [
+        (models.layers, "attention_on_mesh", models.layers.attention_on_mesh),
+        (models.layers.GatedMLP, "__call__", models.layers.GatedMLP.__call__),
+        (models.layers.PagedAttention, "__call__", models.layers.PagedAttention.__call__),
+    ]
+    split = {"device_step_ms": time_step()}
+    previous = split["device_step_ms"]
     try:
-        # A fresh split gives a new graphdef, so the step recompiles with the stub in place.
-        graphdef, _ = nnx.split(loaded.model)
-        no_attention = time_step(static_graph(graphdef))
+        for part, patches in removals:
+            for owner, name, replacement in patches:
+                setattr(owner, name, replacement)
+            remaining = time_step()
+            split[f"{part}_ms"] = previous - remaining
+            previous = remaining
     finally:
-        models.layers.attention_on_mesh = original
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+        jax.clear_caches()
+    split["embedding_lm_head_sampling_ms"] = previous
 
     hidden = jnp.ones((num_rows, loaded.config.hidden_size), jnp.float32)
-    logits = jax.jit(lambda state, h: nnx.merge(loaded.graphdef, state).logits(h))
-    jax.block_until_ready(logits(loaded.state, hidden))
-    times = []
-    for _ in range(10):
-        start = time.perf_counter()
-        jax.block_until_ready(logits(loaded.state, hidden))
-        times.append(time.perf_counter() - start)
-    return {
-        "device_step_ms": whole,
-        "device_step_without_attention_ms": no_attention,
-        "attention_ms": whole - no_attention,
-        "lm_head_ms": _median_ms(times),
-    }
+    logits_fn = jax.jit(lambda state, h: nnx.merge(loaded.graphdef, state).logits(h))
+    split["lm_head_alone_ms"] = time_call(logits_fn, loaded.state, hidden)
+    local_sampling = jax.tree.map(lambda leaf: leaf[0], step_batch.sampling)
+    logits = logits_fn(loaded.state, hidden)
+    sample_fn = jax.jit(lambda logits, arrays: sample(logits, arrays, None)[0])
+    split["sampling_alone_ms"] = time_call(sample_fn, logits, local_sampling)
+    return split
 
 
 def main(argv):

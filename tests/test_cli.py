@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from subprocess_env import subprocess_env
 
 # The runs that generate share one engine shape, and cache every program they compile (in the worker's folder), so
@@ -40,40 +41,6 @@ def test_chat_question_is_answered_and_summarized(tmp_path):
     assert report["engine"]["num_finished_requests"] == 1
 
 
-def test_jsonl_round_trip_with_bad_lines_skipped(tmp_path):
-    prompts = tmp_path / "prompts.jsonl"
-    lines = [
-        {"id": "italy", "prompt": "The capital of Italy is", "max_tokens": 6},
-        {"id": "sum", "messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 16},
-        {"prompt": "oops", "bogus": 1},
-        "not json",
-        {"id": "ids", "prompt": [1, 2, 3], "max_tokens": 4, "logprobs": 2},
-        {"id": "long", "prompt": "word " * 200},
-    ]
-    prompts.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
-    output = tmp_path / "out.jsonl"
-    result = _run_cli(
-        f"--prompts_file={prompts}",
-        f"--output={output}",
-        "--skip_bad_lines",
-        "--temperature=0",
-        *ENGINE_FLAGS,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in output.read_text().splitlines()]
-    assert [r["id"] for r in records] == ["italy", "sum", "line-3", "line-4", "ids", "long"]
-    assert [r["line"] for r in records] == [1, 2, 3, 4, 5, 6]
-    italy, total, unknown, malformed, ids, long = records
-    assert "Rome" in italy["text"] and italy["num_generated_tokens"] == 6 and italy["finish_reason"] == "length"
-    assert "4" in total["text"] and total["finish_reason"] == "stop"
-    assert "prompts.jsonl:3: unknown field(s) ['bogus']" in unknown["error"]
-    assert ":4: not valid JSON" in malformed["error"]
-    assert "line 6:" in long["error"] and "max_model_len is 128" in long["error"]
-    assert ids["prompt"] is None and len(ids["token_ids"]) == 4
-    assert all(len(entry) >= 2 and entry[0]["rank"] == 1 for entry in ids["logprobs"])
-    assert "requests finished, 3 rejected" in result.stderr
-
-
 def test_bad_lines_stop_the_run_before_anything_loads(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "fine"}\n{"prompt": "hot", "temperature": -1}\n{"prompt": "x", "top_k": -2}\n')
@@ -98,33 +65,71 @@ def test_no_prompt_is_a_usage_error():
     assert "give --prompt" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_prefix_caching_on_and_off_agree_and_are_summarized(tmp_path):
-    system = "You are a careful assistant who answers in one short sentence. " * 6
+SYSTEM = "You are a careful assistant who answers in one short sentence. " * 6
+
+
+@pytest.fixture(scope="module")
+def jsonl_runs(tmp_path_factory) -> dict:
+    """One prompts file, with bad lines, run twice: prefix caching on (the default) and off.
+
+    The two tests below share these two runs (each loads SmolLM2 and generates in a process of its own).
+    Returns label -> (records by id, the metrics summary, stderr).
+    """
+    folder = tmp_path_factory.mktemp("jsonl")
     lines = [
-        {"id": f"q{i}", "prompt": system + question, "max_tokens": 8}
-        for i, question in enumerate(["Name a color.", "Name a fruit.", "Name a city."])
+        {"id": "italy", "prompt": "The capital of Italy is", "max_tokens": 6},
+        {"id": "sum", "messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 16},
+        {"prompt": "oops", "bogus": 1},
+        "not json",
+        {"id": "ids", "prompt": [1, 2, 3], "max_tokens": 4, "logprobs": 2},
+        {"id": "long", "prompt": "word " * 200},
+        *[
+            {"id": f"q{i}", "prompt": SYSTEM + question, "max_tokens": 8}
+            for i, question in enumerate(["Name a color.", "Name a fruit.", "Name a city."])
+        ],
+        {"id": "salted", "prompt": SYSTEM + "Name a fruit.", "max_tokens": 8, "cache_salt": "other"},
+        {"id": "samples", "prompt": "The weather today is", "max_tokens": 6, "n": 2, "seed": 1},
     ]
-    lines.append({"id": "salted", "prompt": system + "Name a fruit.", "max_tokens": 8, "cache_salt": "other"})
-    lines.append({"id": "samples", "prompt": "The weather today is", "max_tokens": 6, "n": 2, "seed": 1})
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
     runs = {}
     for label, extra in (("on", []), ("off", ["--no_prefix_caching"])):
-        output, metrics = tmp_path / f"{label}.jsonl", tmp_path / f"{label}.json"
+        output, metrics = folder / f"{label}.jsonl", folder / f"{label}.json"
         result = _run_cli(
             f"--prompts_file={prompts}",
             f"--output={output}",
             f"--metrics_json={metrics}",
+            "--skip_bad_lines",
             "--temperature=0",
             *ENGINE_FLAGS,
             *extra,
         )
         assert result.returncode == 0, result.stderr[-3000:]
-        assert "# prefix cache:" in result.stderr
-        records = {r["id"]: r for r in map(json.loads, output.read_text().splitlines())}
-        runs[label] = (records, json.loads(metrics.read_text())["summary"])
-    (on, on_summary), (off, off_summary) = runs["on"], runs["off"]
-    assert {k: r["token_ids"] for k, r in on.items()} == {k: r["token_ids"] for k, r in off.items()}
+        records = [json.loads(line) for line in output.read_text().splitlines()]
+        runs[label] = (records, json.loads(metrics.read_text())["summary"], result.stderr)
+    return runs
+
+
+def test_jsonl_round_trip_with_bad_lines_skipped(jsonl_runs):
+    records, _, stderr = jsonl_runs["on"]
+    assert [r["id"] for r in records][:6] == ["italy", "sum", "line-3", "line-4", "ids", "long"]
+    assert [r["line"] for r in records] == list(range(1, 12))
+    italy, total, unknown, malformed, ids, long = records[:6]
+    assert "Rome" in italy["text"] and italy["num_generated_tokens"] == 6 and italy["finish_reason"] == "length"
+    assert "4" in total["text"] and total["finish_reason"] == "stop"
+    assert "prompts.jsonl:3: unknown field(s) ['bogus']" in unknown["error"]
+    assert ":4: not valid JSON" in malformed["error"]
+    assert "line 6:" in long["error"] and "max_model_len is 128" in long["error"]
+    assert ids["prompt"] is None and len(ids["token_ids"]) == 4
+    assert all(len(entry) >= 2 and entry[0]["rank"] == 1 for entry in ids["logprobs"])
+    assert "requests finished, 3 rejected" in stderr
+
+
+def test_prefix_caching_on_and_off_agree_and_are_summarized(jsonl_runs):
+    (on_records, on_summary, on_stderr), (off_records, off_summary, off_stderr) = jsonl_runs["on"], jsonl_runs["off"]
+    assert "# prefix cache:" in on_stderr and "# prefix cache:" in off_stderr
+    on, off = ({r["id"]: r for r in records} for records in (on_records, off_records))
+    assert {k: r.get("token_ids") for k, r in on.items()} == {k: r.get("token_ids") for k, r in off.items()}
     assert on_summary["prefix_hit_tokens"] > 0 and on_summary["prefix_hit_percent"] > 0
     assert off_summary["prefix_hit_tokens"] == 0 and off_summary["kv_pages_cached_idle"] == 0
     assert [c["index"] for c in on["samples"]["completions"]] == [0, 1]

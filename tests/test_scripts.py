@@ -72,7 +72,11 @@ def test_profile_step_splits_a_decode_step(tiny_model, tmp_path):
     assert set(phases) >= {"schedule", "step_inputs", "sampling_arrays", "device", "step_total", "host_other"}
     assert all(phases[name] > 0 for name in ("schedule", "step_inputs", "device", "step_total"))
     assert phases["step_total"] >= phases["device"]
-    assert split["device_step_ms"] > 0 and split["device_step_without_attention_ms"] > 0 and split["lm_head_ms"] > 0
+    parts = ("attention", "kv_write", "mlp", "projections_rope_norms", "embedding_lm_head_sampling")
+    assert split["device_step_ms"] > 0 and split["lm_head_alone_ms"] > 0 and split["sampling_alone_ms"] > 0
+    # The parts come from consecutive variants, so they add up to the whole step.
+    assert sum(split[f"{part}_ms"] for part in parts) == pytest.approx(split["device_step_ms"])
+    assert split["embedding_lm_head_sampling_ms"] > 0
     assert (tmp_path / "profile.md").read_text() in run.stdout
 
 
@@ -259,6 +263,26 @@ def test_eval_kv_quality_compares_8bit_kv_with_bf16(tiny_model_with_tokenizer, t
         "eval_kv_quality.py", f"--model={tiny_model_with_tokenizer}", "--num_sequences=2", "--length=16", check=False
     )
     assert short.returncode == 1 and "--length=16 leaves no room for an answer" in short.stderr
+
+
+def test_eval_weight_quality_compares_bf16_weights_with_f32(tiny_model_with_tokenizer, tmp_path):
+    out = tmp_path / "weight_quality"
+    run = _script(
+        "eval_weight_quality.py",
+        f"--model={tiny_model_with_tokenizer}",
+        "--num_sequences=2",
+        "--length=64",
+        "--greedy_tokens=2",
+        "--batch=2",
+        f"--out={out}",
+    )
+    report = json.loads((tmp_path / "weight_quality.json").read_text())
+    assert (report["num_sequences"], report["positions"]) == (2, 128)
+    result = report["result"]
+    # bf16 rounding of random weights moves the logits a little, never to another model.
+    assert 0.5 < result["top1_agreement"] <= 1 and 0 < result["mean_kl"] <= result["max_kl"] < 1
+    assert 0 <= result["greedy_token_agreement"] <= 1
+    assert (tmp_path / "weight_quality.md").read_text() in run.stdout
 
 
 def test_check_kernels_native_fails_every_case_without_an_accelerator():
