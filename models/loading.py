@@ -27,6 +27,11 @@ EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
+def default_compute_dtype() -> str:
+    """The activation dtype when none is given: float32 on CPU, bfloat16 on TPU and GPU."""
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
 def load(
     source: str | os.PathLike | None = None,
     dtype: str = "float32",
@@ -57,7 +62,7 @@ def load(
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}")
     if compute_dtype is None:
-        compute_dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        compute_dtype = default_compute_dtype()
     if compute_dtype not in DTYPES:
         raise ValueError(f"compute_dtype={compute_dtype!r} is not supported; use one of {sorted(DTYPES)}")
     model_kwargs = dict(

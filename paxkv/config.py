@@ -41,7 +41,8 @@ class EngineConfig:
     max_model_len: int | None = option(None, "Longest prompt plus output (default: min(model context, 4096)).")
     kv_cache_dtype: str = option(
         "auto",
-        "KV pool dtype; auto is the parameters'; fp8 and int8 store a bf16 scale per token and KV head, rotated.",
+        "KV pool dtype; auto is the activations' (f32 on CPU, bf16 on TPU/GPU); fp8 and int8 store a bf16 scale "
+        "per token and KV head, rotated.",
         choices=KV_CACHE_DTYPES,
     )
     seed: int = option(0, "Draws the seeds of requests that give none.", flag="engine_seed")

@@ -27,6 +27,10 @@ Metrics per row, best of --repeats:
   paxkv rows also carry mfu = 2 * params * tokens_per_s / the f32 matmul ceiling measured in this run (jnp.dot), and
     roofline_tokens_per_s = ceiling / (2 * params).
 
+`paxkv_bf16` is this checkout with bf16 weights (f32 activations, accumulation and KV): not an equal-precision
+peer of the f32 systems, so its rows say so, and its tokens may differ from paxkv's where bf16 rounding flips a
+near tie (scripts/eval_weight_quality.py measures how often).
+
 --baseline names another checkout of paxkv (an earlier commit, say): its system `paxkv_baseline` runs this
 checkout's worker with that checkout first on PYTHONPATH, so both load `paxkv` from their own tree. Every reply
 carries a digest of all its generated tokens; `tokens_identical_to_paxkv` says, per model, batch and system,
@@ -51,7 +55,7 @@ from throughput_report import MATMUL_SIZE, add_derived, markdown  # scripts/ is 
 
 WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "throughput_worker.py")
 MODELS = ("smollm2", "random_llama")
-SYSTEMS = ("paxkv", "paxkv_baseline", "transformers", "vllm")
+SYSTEMS = ("paxkv", "paxkv_bf16", "paxkv_baseline", "transformers", "vllm")
 PROMPT_SEED = 0
 PROMPT_ID_LOW = 100  # prompts draw ids from [100, vocab): SmolLM2 keeps its special tokens among the low ids
 SETTLE_S = 0.5  # pause before each call, so the previous system's spinning threads are idle
@@ -186,13 +190,14 @@ def _matmul_ceiling_gflops(size: int = MATMUL_SIZE, repeats: int = 10) -> float:
 def _worker_spec(system: str, model: str, sources: dict, flag_values) -> dict:
     """What a worker needs: its system and model, the model's location, and the batch and thread settings."""
     spec = dict(
-        system="paxkv" if system == "paxkv_baseline" else system,
+        system="paxkv" if system.startswith("paxkv") else system,
         model=model,
         source=sources[model],
         threads=flag_values.threads,
         max_num_seqs=max(_parse_ints(flag_values.batches)),
         max_num_batched_tokens=flag_values.max_num_batched_tokens,
         kv_cache_mib=flag_values.paxkv_kv_cache_mib,
+        weights_dtype="bfloat16" if system == "paxkv_bf16" else "float32",
     )
     if model == "smollm2":
         if system == "transformers":

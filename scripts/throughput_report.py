@@ -16,6 +16,17 @@ def add_derived(result: dict) -> None:
             row["achieved_gflops"] = flops_per_token * row["tokens_per_s"] / 1e9
             row["mfu"] = row["achieved_gflops"] / ceiling
             row["roofline_tokens_per_s"] = ceiling * 1e9 / flops_per_token
+        bf16 = by_key.get((row["model"], row["batch"], "paxkv_bf16"))
+        if not row["system"].startswith("paxkv") and bf16 is not None:
+            row["paxkv_bf16_over_this"] = bf16["tokens_per_s"] / row["tokens_per_s"]
+            result["ratios"].append(
+                {
+                    "model": row["model"],
+                    "batch": row["batch"],
+                    "ratio": f"paxkv_bf16/{row['system']}",
+                    "value": row["paxkv_bf16_over_this"],
+                }
+            )
         paxkv = by_key.get((row["model"], row["batch"], "paxkv"))
         if row["system"] != "paxkv" and paxkv is not None:
             row["paxkv_over_this"] = paxkv["tokens_per_s"] / row["tokens_per_s"]
@@ -62,15 +73,22 @@ def markdown(result: dict) -> str:
         "tok/s = batch x new tokens / wall time of the whole generate call (prefill included). "
         "TTFT: mean over the batch (transformers: the batch's first token). MFU = 2 x params x tok/s / ceiling.",
         "",
-        "| model | batch | system | tok/s | paxkv ÷ system | TTFT (s) | peak RSS (MiB) | MFU |",
-        "|---|---|---|---|---|---|---|---|",
+    ]
+    with_bf16 = any("paxkv_bf16_over_this" in row for row in result["rows"])
+    bf16_header = (" paxkv_bf16 ÷ system |", "---|") if with_bf16 else ("", "")
+    lines += [
+        f"| model | batch | system | tok/s | paxkv ÷ system |{bf16_header[0]} TTFT (s) | peak RSS (MiB) | MFU |",
+        f"|---|---|---|---|---|{bf16_header[1]}---|---|---|",
     ]
     for row in result["rows"]:
+        bf16_cell = f" {_fmt(row.get('paxkv_bf16_over_this'), '.2f')} |" if with_bf16 else ""
         lines.append(
             f"| {row['model']} | {row['batch']} | {row['system']} | {row['tokens_per_s']:.1f} | "
-            f"{_fmt(row.get('paxkv_over_this'), '.2f')} | {_fmt(row['ttft_s'], '.3f')} | "
+            f"{_fmt(row.get('paxkv_over_this'), '.2f')} |{bf16_cell} {_fmt(row['ttft_s'], '.3f')} | "
             f"{row['peak_rss_mib']:.0f} | {_fmt(row.get('mfu'), '.1%')} |"
         )
+    if with_bf16:
+        lines += ["", "paxkv_bf16: bf16 weights under f32 activations and KV, not an equal-precision peer."]
     checks = [
         f"{model} b{batch}: {'yes' if match else 'NO' if match is False else 'n/a'}"
         for model, by_batch in result["first_tokens_match"].items()

@@ -85,7 +85,12 @@ class _PaxkvRunner:
             max_num_batched_tokens=spec["max_num_batched_tokens"],
             kv_cache_memory_bytes=spec["kv_cache_mib"] << 20,
         )
-        self.llm = LLM(spec["source"], skip_tokenizer_init=spec["model"] == "random_llama", **engine_config)
+        self.llm = LLM(
+            spec["source"],
+            dtype=spec.get("weights_dtype", "float32"),
+            skip_tokenizer_init=spec["model"] == "random_llama",
+            **engine_config,
+        )
         loaded = self.llm.loaded
         self.params = sum(int(leaf.size) for leaf in jax.tree.leaves(loaded.state))  # a tied embedding is stored once
         self.vocab_size = loaded.config.vocab_size

@@ -8,8 +8,6 @@ and RequestOutputs.
 import logging
 import time
 
-import jax
-
 import models
 from paxkv.config import EngineConfig
 from paxkv.core.metrics import EngineMetrics
@@ -50,7 +48,7 @@ class Engine:
                 f"{model_config.max_position_embeddings}; lower max_model_len"
             )
         self.mesh = engine_mesh(loaded, config.mesh_shape)
-        self.pool = KVPool(model_config, config, jax.tree.leaves(loaded.state)[0].dtype, self.mesh)
+        self.pool = KVPool(model_config, config, loaded.model.compute_dtype, self.mesh)
         pool = self.pool
         self.preemption = PreemptionPolicy(pool.preemption_mode, pool.bytes_per_page, pool.num_host_slots)
         self.scheduler = Scheduler(

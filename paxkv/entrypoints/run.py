@@ -177,6 +177,7 @@ def _print_summary(summary: dict) -> None:
 
 def _print_plan() -> None:
     """`--plan`: KV capacity for --model from its config alone, for every KV dtype."""
+    import models.loading
     from models.errors import CheckpointError
     from paxkv.entrypoints.planner import format_plan, plan, plan_model_config
 
@@ -189,7 +190,7 @@ def _print_plan() -> None:
     rows, num_params = plan(
         config, kv_cache_memory_bytes=budget, max_model_len=max_model_len, page_size=FLAGS.page_size
     )
-    chosen = FLAGS.kv_cache_dtype if FLAGS.kv_cache_dtype != "auto" else FLAGS.dtype
+    chosen = FLAGS.kv_cache_dtype if FLAGS.kv_cache_dtype != "auto" else models.loading.default_compute_dtype()
     print(
         format_plan(
             config,

@@ -140,7 +140,7 @@ def abstract_engine(
     )
     graphdef, state = abstract_model(config, model_kwargs)
     nnx.replace_by_pure_dict(state, restore_target(state, state_shardings(state, mesh)))
-    kv_dtype = kv_storage_dtype(kv_cache_dtype, models.loading.DTYPES[dtype])
+    kv_dtype = kv_storage_dtype(kv_cache_dtype, models.loading.DTYPES[compute_dtype])
     kv_caches = abstract_pool(config, num_pages, page_size, kv_dtype, mesh)
     return AbstractEngine(
         graphdef, state, kv_caches, page_size, pages_for(max_model_len, page_size), config.vocab_size, mesh
@@ -150,7 +150,8 @@ def abstract_engine(
 def pages_for_memory(
     config: models.ModelConfig, memory_bytes: int, page_size: int, kv_cache_dtype: str, dtype: str, mesh: Mesh
 ) -> int:
-    """Pages a KV budget of `memory_bytes` (the whole pool, over all devices' shards) holds."""
+    """Pages a KV budget of `memory_bytes` (the whole pool, over all devices' shards) holds, for activations of
+    `dtype`."""
     kv_dtype = kv_storage_dtype(kv_cache_dtype, models.loading.DTYPES[dtype])
     num_groups = num_scale_groups(config.num_kv_heads, mesh)
     per_page = kv_bytes_per_page(

@@ -22,15 +22,16 @@ logger = logging.getLogger(__name__)
 QUANTIZED_NAMES = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2, "int8": jnp.int8}
 
 
-def kv_storage_dtype(kv_cache_dtype: str, param_dtype) -> np.dtype:
-    """The dtype K/V are stored in: the parameters' dtype for "auto", else the named one.
+def kv_storage_dtype(kv_cache_dtype: str, activation_dtype) -> np.dtype:
+    """The dtype K/V are stored in: for "auto" the activations' dtype, which K and V are computed in (so bf16
+    weights under f32 activations on CPU keep an f32 pool), else the named one.
 
     Args:
       kv_cache_dtype: auto | float32 | bfloat16 | fp8_e4m3 | fp8_e5m2 | int8.
-      param_dtype: the model parameters' dtype.
+      activation_dtype: the model's compute dtype.
     """
     if kv_cache_dtype == "auto":
-        return np.dtype(param_dtype)
+        return np.dtype(activation_dtype)
     return np.dtype(QUANTIZED_NAMES.get(kv_cache_dtype, kv_cache_dtype))
 
 
@@ -106,17 +107,17 @@ class KVPool:
     `kv_caches` is replaced after every step (the step donates it).
     """
 
-    def __init__(self, model_config: models.ModelConfig, config: EngineConfig, param_dtype, mesh: Mesh | None):
+    def __init__(self, model_config: models.ModelConfig, config: EngineConfig, activation_dtype, mesh: Mesh | None):
         """Size and allocate the pool; raise ValueError naming the fix when it cannot hold the budgets.
 
         Args:
           model_config: the model whose layers and KV heads size the pages.
           config: page size, pool size (num_pages or kv_cache_memory_bytes), max_num_seqs, KV dtype, swap space.
-          param_dtype: the parameters' dtype (the KV dtype of kv_cache_dtype="auto").
+          activation_dtype: the model's compute dtype (the KV dtype of kv_cache_dtype="auto").
           mesh: the engine's mesh, or None for one device.
         """
         self.page_size = config.page_size
-        self.dtype = kv_storage_dtype(config.kv_cache_dtype, param_dtype)
+        self.dtype = kv_storage_dtype(config.kv_cache_dtype, activation_dtype)
         shape = (model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, self.dtype, self.page_size)
         num_groups = num_scale_groups(model_config.num_kv_heads, mesh)
         self.bytes_per_page = kv_bytes_per_page(*shape, num_groups)
