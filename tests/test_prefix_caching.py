@@ -38,10 +38,10 @@ def _tokens(rng, n):
 
 
 def test_shared_system_prompt(loaded):
-    """One 1,000-token system prompt and 32 different questions: one copy of the prompt's KV, same tokens."""
+    """One 1,000-token system prompt and 16 different questions: one copy of the prompt's KV, same tokens."""
     rng = np.random.default_rng(0)
     system = _tokens(rng, 1000)
-    prompts = {f"q{i}": system + _tokens(rng, int(rng.integers(5, 40))) for i in range(32)}
+    prompts = {f"q{i}": system + _tokens(rng, int(rng.integers(5, 40))) for i in range(16)}
     on, off = _engine(loaded, True), _engine(loaded, False)
     assert _run(on, prompts) == _run(off, prompts)
     full_pages = 1000 // PAGE * PAGE  # 992 tokens of the system prompt fill whole pages
@@ -49,7 +49,7 @@ def test_shared_system_prompt(loaded):
     assert metrics.prefix_query_tokens == sum(map(len, prompts.values()))
     # Every question after the first finds the system prompt's full pages; the second, admitted while the
     # first was mid-prefill, finds at least the first chunk's.
-    assert metrics.prefix_hit_tokens >= 30 * full_pages + 512
+    assert metrics.prefix_hit_tokens >= 14 * full_pages + 512
     assert metrics.peak_kv_pages_used < off.metrics.peak_kv_pages_used / 3
     assert off.metrics.prefix_hit_tokens == 0 and off.metrics.kv_pages_cached == 0
 
