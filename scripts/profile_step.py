@@ -23,6 +23,7 @@ flags.DEFINE_integer("prompt_len", 128, "Prompt tokens per sequence.")
 flags.DEFINE_integer("steps", 32, "Decode steps to time.")
 flags.DEFINE_integer("num_pages", None, "Page pool size (default: just enough for the batch).")
 flags.DEFINE_string("model", None, "A model for models.load (default: the embedded SmolLM2).")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weight storage dtype (activations stay f32 on CPU).")
 flags.DEFINE_string("out", "bench_results/profile_step", "Output path prefix for .json and .md.")
 
 
@@ -156,7 +157,7 @@ def main(argv):
     from paxkv.scheduling.sampling_params import SamplingParams
 
     enable_compilation_cache()
-    loaded = models.load(FLAGS.model, require_tokenizer=False)
+    loaded = models.load(FLAGS.model, require_tokenizer=False, dtype=FLAGS.dtype)
     batch = FLAGS.batch
     total_tokens = FLAGS.prompt_len + FLAGS.steps + 16
     engine = Engine(
@@ -213,6 +214,7 @@ def main(argv):
     result = {
         "batch": batch,
         "prompt_len": FLAGS.prompt_len,
+        "dtype": FLAGS.dtype,
         "backend": jax.default_backend(),
         "cpu_count": os.cpu_count(),
         "phases_ms": phases,
@@ -222,7 +224,7 @@ def main(argv):
     with open(FLAGS.out + ".json", "w") as f:
         json.dump(result, f, indent=2)
     lines = [
-        f"# One decode step, batch {batch}, context ~{FLAGS.prompt_len} (median ms)",
+        f"# One decode step, batch {batch}, context ~{FLAGS.prompt_len}, {FLAGS.dtype} weights (median ms)",
         "",
         "| phase | ms |",
         "|---|---|",
