@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_device_check_runs_the_xla_part_on_cpu(tmp_path):
-    env = subprocess_env(PYTHON=sys.executable, BENCH_ARGS="--iters 2 --kv_dtypes float8_e4m3fn", JAX_PLATFORMS="cpu")
+    env = subprocess_env(PYTHON=sys.executable, BENCH_ARGS="--iters 2 --kv_dtypes float8_e4m3fn --num_kv_heads 2 --num_q_heads 4 --head_dim 64", JAX_PLATFORMS="cpu")
     run = subprocess.run(
         ["bash", os.path.join(ROOT, "scripts", "device_check.sh"), str(tmp_path)],
         env=env,
