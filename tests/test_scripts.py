@@ -300,3 +300,33 @@ def test_check_kernels_native_fails_every_case_without_an_accelerator():
     assert len(reports) == len(failed)
     assert all("Only interpret mode is supported on CPU" in report for report in reports)
     assert run.stdout.rstrip().endswith(f"{len(failed)} failed")
+
+
+def test_throughput_report_gives_bf16_its_own_ratio_column(monkeypatch):
+    """paxkv_bf16 rows get their own ratio over each peer, and the table says they are not an equal-precision peer."""
+    monkeypatch.syspath_prepend(SCRIPTS)
+    import throughput_report
+
+    def row(system, tokens_per_s):
+        return dict(system=system, model="smollm2", batch=32, tokens_per_s=tokens_per_s, ttft_s=1.0, peak_rss_mib=1.0)
+
+    result = dict(
+        settings=dict(systems=["paxkv", "paxkv_bf16", "vllm"], prompt_len=128, new_tokens=128, repeats=1, threads=2),
+        machine="test",
+        roofline_gflops=100.0,
+        paxkv_commit="abc",
+        params={"smollm2": 1e8},
+        rows=[row("paxkv", 150.0), row("paxkv_bf16", 225.0), row("vllm", 300.0)],
+        ratios=[],
+        first_tokens_match={"smollm2": {"32": True}},
+        tokens_identical_to_paxkv={"smollm2": {"32": {"paxkv_bf16": False, "vllm": True}}},
+        errors=[],
+    )
+    throughput_report.add_derived(result)
+    vllm = result["rows"][2]
+    assert vllm["paxkv_over_this"] == pytest.approx(0.5) and vllm["paxkv_bf16_over_this"] == pytest.approx(0.75)
+    assert "paxkv_bf16_over_this" not in result["rows"][0]  # no ratio of one paxkv over another
+    assert {r["ratio"] for r in result["ratios"]} == {"paxkv/paxkv_bf16", "paxkv/vllm", "paxkv_bf16/vllm"}
+    table = throughput_report.markdown(result)
+    assert "| paxkv_bf16 ÷ system |" in table and "| smollm2 | 32 | vllm | 300.0 | 0.50 | 0.75 |" in table
+    assert "not an equal-precision peer" in table
