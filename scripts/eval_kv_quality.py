@@ -131,8 +131,18 @@ def generated_windows(loaded, count: int, length: int) -> list[list[int]]:
     return [windows[str(i)][:length] for i in range(len(prompts))]
 
 
+def evaluation_windows(loaded) -> tuple[list[list[int]], list[str]]:
+    """--num_sequences windows of --length tokens, half natural text, half the model's answers; and each one's
+    source ("natural" or "generated")."""
+    rng = np.random.default_rng(FLAGS.seed)
+    num_generated = FLAGS.num_sequences // 2
+    windows = natural_windows(loaded.tokenizer, FLAGS.num_sequences - num_generated, FLAGS.length, rng)
+    windows += generated_windows(loaded, num_generated, FLAGS.length)
+    return windows, ["natural"] * (FLAGS.num_sequences - num_generated) + ["generated"] * num_generated
+
+
 @jax.jit
-def _compare(reference_logits, logits):
+def compare_logits(reference_logits, logits):
     """Per position: whether the argmax agrees, and KL(reference || other), in f32."""
     reference = jax.nn.log_softmax(reference_logits, axis=-1)
     other = jax.nn.log_softmax(logits, axis=-1)
@@ -191,6 +201,47 @@ def greedy(loaded, prompts: list[list[int]], kv_cache_dtype: str, num_tokens: in
     return [outputs[str(i)] for i in range(len(prompts))]
 
 
+def agreement(same: np.ndarray, kl: np.ndarray, greedy_pairs: list[tuple[list, list]]) -> dict:
+    """The report's figures: top-1 agreement and KL over every position, and greedy agreement over the pairs.
+
+    Args:
+      same: bool per position, whether the candidate's argmax equals the reference's.
+      kl: KL(reference || candidate) per position.
+      greedy_pairs: (reference tokens, candidate tokens) per prompt.
+    """
+    kl = kl.astype(np.float64)
+    return {
+        "top1_agreement": float(same.mean()),
+        "mean_kl": float(kl.mean()),
+        "max_kl": float(kl.max()),
+        "p99_kl": float(np.quantile(kl, 0.99)),
+        "greedy_token_agreement": float(np.mean([np.mean(np.equal(a, b)) for a, b in greedy_pairs])),
+        "greedy_identical_sequences": float(np.mean([a == b for a, b in greedy_pairs])),
+    }
+
+
+TABLE_COLUMNS = "top-1 agreement | mean KL | p99 KL | max KL | greedy token agreement | identical greedy sequences |"
+
+
+def table_row(name: str, r: dict) -> str:
+    """One markdown row of agreement()'s figures, under TABLE_COLUMNS."""
+    return (
+        f"| {name} | {100 * r['top1_agreement']:.2f}% | {r['mean_kl']:.2e} | {r['p99_kl']:.2e} | "
+        f"{r['max_kl']:.2e} | {100 * r['greedy_token_agreement']:.1f}% | "
+        f"{100 * r['greedy_identical_sequences']:.0f}% |"
+    )
+
+
+def write_report(out: str, report: dict, lines: list[str]) -> None:
+    """<out>.json and <out>.md, and the markdown printed."""
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(report, f, indent=2)
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main(argv):
     del argv
     import models
@@ -199,11 +250,7 @@ def main(argv):
     enable_compilation_cache()
     start = time.perf_counter()
     loaded = models.load(FLAGS.model)
-    rng = np.random.default_rng(FLAGS.seed)
-    num_generated = FLAGS.num_sequences // 2
-    windows = natural_windows(loaded.tokenizer, FLAGS.num_sequences - num_generated, FLAGS.length, rng)
-    windows += generated_windows(loaded, num_generated, FLAGS.length)
-    sources = ["natural"] * (FLAGS.num_sequences - num_generated) + ["generated"] * num_generated
+    windows, sources = evaluation_windows(loaded)
 
     agree = {d: [] for d in KV_DTYPES[1:]}
     kls = {d: [] for d in KV_DTYPES[1:]}
@@ -211,7 +258,7 @@ def main(argv):
         chunk = windows[first : first + FLAGS.batch]
         reference = teacher_forced_logits(loaded, chunk, "bfloat16")
         for dtype in KV_DTYPES[1:]:
-            same, kl = _compare(reference, teacher_forced_logits(loaded, chunk, dtype))
+            same, kl = compare_logits(reference, teacher_forced_logits(loaded, chunk, dtype))
             agree[dtype] += list(np.asarray(same).reshape(len(chunk), -1))  # one [L] array per window
             kls[dtype] += list(np.asarray(kl).reshape(len(chunk), -1))
 
@@ -220,16 +267,8 @@ def main(argv):
     continuations = {dtype: greedy(loaded, prompts, dtype, FLAGS.greedy_tokens) for dtype in KV_DTYPES}
     results = {}
     for dtype in KV_DTYPES[1:]:
-        same, kl = np.concatenate(agree[dtype]), np.concatenate(kls[dtype]).astype(np.float64)
         pairs = list(zip(continuations["bfloat16"], continuations[dtype], strict=True))
-        results[dtype] = {
-            "top1_agreement": float(same.mean()),
-            "mean_kl": float(kl.mean()),
-            "max_kl": float(kl.max()),
-            "p99_kl": float(np.quantile(kl, 0.99)),
-            "greedy_token_agreement": float(np.mean([np.mean(np.equal(a, b)) for a, b in pairs])),
-            "greedy_identical_sequences": float(np.mean([a == b for a, b in pairs])),
-        }
+        results[dtype] = agreement(np.concatenate(agree[dtype]), np.concatenate(kls[dtype]), pairs)
         for source in ("natural", "generated"):
             picked = [a for a, s in zip(agree[dtype], sources, strict=True) if s == source]
             results[dtype][f"top1_agreement_{source}"] = float(np.concatenate(picked).mean())
@@ -250,25 +289,15 @@ def main(argv):
         f"({report['positions']} positions), half natural text, half generated answers; greedy: "
         f"{FLAGS.greedy_tokens} tokens after the first {half}.",
         "",
-        "| KV | top-1 agreement | mean KL | p99 KL | max KL | greedy token agreement | identical greedy sequences |",
+        f"| KV | {TABLE_COLUMNS}",
         "|---|---:|---:|---:|---:|---:|---:|",
+        *[table_row(dtype, r) for dtype, r in results.items()],
     ]
-    for dtype, r in results.items():
-        lines.append(
-            f"| {dtype} | {100 * r['top1_agreement']:.2f}% | {r['mean_kl']:.2e} | {r['p99_kl']:.2e} | "
-            f"{r['max_kl']:.2e} | {100 * r['greedy_token_agreement']:.1f}% | "
-            f"{100 * r['greedy_identical_sequences']:.0f}% |"
-        )
     lines.append("")
     for dtype, r in results.items():
         met = r["top1_agreement"] >= 0.99 and r["mean_kl"] <= 1e-3
         lines.append(f"Goal (top-1 >= 99%, mean KL <= 1e-3, set for e4m3): {dtype} {'meets' if met else 'misses'} it.")
-    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-    with open(FLAGS.out + ".json", "w") as f:
-        json.dump(report, f, indent=2)
-    with open(FLAGS.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(FLAGS.out, report, lines)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ prompts 64 greedy tokens under each: the share of positions whose token equals f
 sequences identical throughout. Writes <out>.json and <out>.md.
 """
 
-import json
 import os
 import sys
 import time
@@ -38,21 +37,17 @@ def main(argv):
     start = time.perf_counter()
     loaded = {dtype: models.load(FLAGS.model, dtype=dtype, compute_dtype="float32") for dtype in WEIGHT_DTYPES}
     reference_model, candidate_model = loaded["float32"], loaded["bfloat16"]
-    rng = np.random.default_rng(FLAGS.seed)
-    num_generated = FLAGS.num_sequences // 2
-    windows = kv_quality.natural_windows(
-        reference_model.tokenizer, FLAGS.num_sequences - num_generated, FLAGS.length, rng
-    )
-    windows += kv_quality.generated_windows(reference_model, num_generated, FLAGS.length)
+    windows, _ = kv_quality.evaluation_windows(reference_model)
 
     agree, kls = [], []
     for first in range(0, len(windows), FLAGS.batch):
         chunk = windows[first : first + FLAGS.batch]
         reference = kv_quality.teacher_forced_logits(reference_model, chunk, "float32")
-        same, kl = kv_quality._compare(reference, kv_quality.teacher_forced_logits(candidate_model, chunk, "float32"))
+        candidate = kv_quality.teacher_forced_logits(candidate_model, chunk, "float32")
+        same, kl = kv_quality.compare_logits(reference, candidate)
         agree.append(np.asarray(same))
         kls.append(np.asarray(kl))
-    same, kl = np.concatenate(agree), np.concatenate(kls).astype(np.float64)
+    same, kl = np.concatenate(agree), np.concatenate(kls)
 
     half = FLAGS.length // 2
     prompts = [window[:half] for window in windows]
@@ -60,14 +55,7 @@ def main(argv):
         dtype: kv_quality.greedy(model, prompts, "float32", FLAGS.greedy_tokens) for dtype, model in loaded.items()
     }
     pairs = list(zip(continuations["float32"], continuations["bfloat16"], strict=True))
-    result = {
-        "top1_agreement": float(same.mean()),
-        "mean_kl": float(kl.mean()),
-        "max_kl": float(kl.max()),
-        "p99_kl": float(np.quantile(kl, 0.99)),
-        "greedy_token_agreement": float(np.mean([np.mean(np.equal(a, b)) for a, b in pairs])),
-        "greedy_identical_sequences": float(np.mean([a == b for a, b in pairs])),
-    }
+    result = kv_quality.agreement(same, kl, pairs)
     model_name = FLAGS.model or "SmolLM2-135M-Instruct (embedded GGUF)"
     report = {
         "model": model_name,
@@ -85,18 +73,11 @@ def main(argv):
         f"{FLAGS.length} tokens ({same.size} positions), half natural text, half generated answers; greedy: "
         f"{FLAGS.greedy_tokens} tokens after the first {half}.",
         "",
-        "| weights | top-1 agreement | mean KL | p99 KL | max KL | greedy token agreement | identical greedy runs |",
+        f"| weights | {kv_quality.TABLE_COLUMNS}",
         "|---|---:|---:|---:|---:|---:|---:|",
-        f"| bfloat16 | {100 * result['top1_agreement']:.2f}% | {result['mean_kl']:.2e} | {result['p99_kl']:.2e} | "
-        f"{result['max_kl']:.2e} | {100 * result['greedy_token_agreement']:.1f}% | "
-        f"{100 * result['greedy_identical_sequences']:.0f}% |",
+        kv_quality.table_row("bfloat16", result),
     ]
-    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-    with open(FLAGS.out + ".json", "w") as f:
-        json.dump(report, f, indent=2)
-    with open(FLAGS.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    kv_quality.write_report(FLAGS.out, report, lines)
 
 
 if __name__ == "__main__":

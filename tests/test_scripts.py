@@ -233,18 +233,14 @@ def test_bench_throughput_paxkv_against_transformers_and_a_baseline(tmp_path):
     assert "| random_llama | 1 | paxkv |" in table and "random_llama b1: yes" in table and table in run.stdout
 
 
+# The quality scripts' smallest run: 64 tokens is the shortest window holding the first chat-templated prompt (53 byte
+# tokens) and some answer.
+SMALL_QUALITY_RUN = ("--num_sequences=2", "--length=64", "--greedy_tokens=2", "--batch=2")
+
+
 def test_eval_kv_quality_compares_8bit_kv_with_bf16(tiny_model_with_tokenizer, tmp_path):
     out = tmp_path / "kv_quality"
-    # 64 tokens: the shortest window holding the first chat-templated prompt (53 byte tokens) and some answer.
-    run = _script(
-        "eval_kv_quality.py",
-        f"--model={tiny_model_with_tokenizer}",
-        "--num_sequences=2",
-        "--length=64",
-        "--greedy_tokens=2",
-        "--batch=2",
-        f"--out={out}",
-    )
+    run = _script("eval_kv_quality.py", f"--model={tiny_model_with_tokenizer}", *SMALL_QUALITY_RUN, f"--out={out}")
     result = json.loads((tmp_path / "kv_quality.json").read_text())
     assert (result["num_sequences"], result["length"], result["positions"]) == (2, 64, 128)
     results = result["results"]
@@ -267,15 +263,7 @@ def test_eval_kv_quality_compares_8bit_kv_with_bf16(tiny_model_with_tokenizer, t
 
 def test_eval_weight_quality_compares_bf16_weights_with_f32(tiny_model_with_tokenizer, tmp_path):
     out = tmp_path / "weight_quality"
-    run = _script(
-        "eval_weight_quality.py",
-        f"--model={tiny_model_with_tokenizer}",
-        "--num_sequences=2",
-        "--length=64",
-        "--greedy_tokens=2",
-        "--batch=2",
-        f"--out={out}",
-    )
+    run = _script("eval_weight_quality.py", f"--model={tiny_model_with_tokenizer}", *SMALL_QUALITY_RUN, f"--out={out}")
     report = json.loads((tmp_path / "weight_quality.json").read_text())
     assert (report["num_sequences"], report["positions"]) == (2, 128)
     result = report["result"]
