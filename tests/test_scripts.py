@@ -215,7 +215,12 @@ def test_bench_throughput_paxkv_against_transformers_and_a_baseline(tmp_path):
     for row in rows.values():
         assert (row["model"], row["batch"], row["new_tokens"]) == ("random_llama", 1, 8)
         assert row["tokens_per_s"] > 0 and row["ttft_s"] > 0 and row["peak_rss_mib"] > 0
-    assert result["roofline_gflops"] > 0
+        # From each request's own TTFT and end: 4 prompt tokens by the first token, then 7 steps.
+        assert row["prefill_tokens_per_s"] == pytest.approx(4 / row["ttft_s"], rel=1e-6)
+        assert 0 < row["decode_ms_per_step"] < 1e3 * 8 / row["tokens_per_s"]
+        assert 0 < row["prefill_roofline_share"] and 0 < row["decode_roofline_share"]
+    assert result["roofline_gflops"] > 0 and result["read_bandwidth_gbs"] > 0
+    assert result["kv_bytes_per_token"]["random_llama"] > 0
     params = result["params_by_system"]["random_llama"]
     assert params["paxkv"] == params["transformers"] == result["params"]["random_llama"] > 0
     assert 0 < rows["paxkv"]["mfu"] < 1 and rows["paxkv"]["roofline_tokens_per_s"] > 0
@@ -231,6 +236,7 @@ def test_bench_throughput_paxkv_against_transformers_and_a_baseline(tmp_path):
     assert result["first_tokens_match"] == {"random_llama": {"1": True}}
     table = (tmp_path / "throughput.md").read_text()
     assert "| random_llama | 1 | paxkv |" in table and "random_llama b1: yes" in table and table in run.stdout
+    assert "| prefill tok/s | decode ms/step | roofline share prefill / decode |" in table
 
 
 # The quality scripts' smallest run: 64 tokens is the shortest window holding the first chat-templated prompt (53 byte
@@ -318,3 +324,51 @@ def test_throughput_report_gives_bf16_its_own_ratio_column(monkeypatch):
     table = throughput_report.markdown(result)
     assert "| paxkv_bf16 ÷ system |" in table and "| smollm2 | 32 | vllm | 300.0 | 0.50 | 0.75 |" in table
     assert "not an equal-precision peer" in table
+
+
+def test_throughput_report_shares_llamacpp_row_and_skipped_models(monkeypatch):
+    """Roofline shares follow their definition; llama.cpp rows get a ratio but no share, and say what they are; a
+    model llama.cpp cannot run is listed as skipped."""
+    monkeypatch.syspath_prepend(SCRIPTS)
+    import throughput_report
+
+    def row(system, tokens_per_s, decode_ms):
+        return dict(
+            system=system,
+            model="smollm2",
+            batch=2,
+            prompt_len=100,
+            new_tokens=100,
+            tokens_per_s=tokens_per_s,
+            ttft_s=1.0,
+            peak_rss_mib=1.0,
+            prefill_tokens_per_s=200.0,
+            decode_ms_per_step=decode_ms,
+        )
+
+    result = dict(
+        settings=dict(systems=["paxkv", "llamacpp"], prompt_len=100, new_tokens=100, repeats=1, threads=2),
+        machine="test",
+        roofline_gflops=100.0,
+        read_bandwidth_gbs=10.0,
+        kv_bytes_per_token={"smollm2": 1000},
+        paxkv_commit="abc",
+        params={"smollm2": 1e8},
+        rows=[row("paxkv", 50.0, 100.0), row("llamacpp", 100.0, 20.0)],
+        ratios=[],
+        first_tokens_match={"smollm2": {"2": None}},
+        tokens_identical_to_paxkv={},
+        skipped=[{"system": "llamacpp", "model": "random_llama", "reason": "no GGUF"}],
+        errors=[],
+    )
+    throughput_report.add_derived(result)
+    paxkv, llamacpp = result["rows"]
+    # Prefill: 2e8 FLOPs a token x 200 tok/s over 1e11 FLOP/s. Decode: 4e8 weight bytes + 2 x 150 x 1000 KV bytes
+    # at 1e10 B/s (40.03 ms, above the 4 ms of FLOPs), over the 100 ms step.
+    assert paxkv["prefill_roofline_share"] == pytest.approx(0.4)
+    assert paxkv["decode_roofline_share"] == pytest.approx(0.4003)
+    assert "decode_roofline_share" not in llamacpp and llamacpp["paxkv_over_this"] == pytest.approx(0.5)
+    table = throughput_report.markdown(result)
+    assert "| smollm2 | 2 | paxkv | 50.0 | — | 1.000 | 200 | 100.0 | 40% / 40% |" in table
+    assert "| smollm2 | 2 | llamacpp | 100.0 | 0.50 | 1.000 | 200 | 20.0 | — / — |" in table
+    assert "not an equal-precision peer" in table and "llamacpp/random_llama skipped: no GGUF." in table
