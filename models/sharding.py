@@ -97,9 +97,10 @@ def restore_target(abstract_state: nnx.State, shardings: dict[tuple, jax.shardin
 
 
 def attention_on_mesh(q, k, v, kv_pages, metadata, *, attention_impl: str, **options):
-    """paged_attention, run per model shard under shard_map when a Pallas kernel meets a mesh.
+    """paged_attention, run per model shard under shard_map when a kernel (Pallas, or the native CPU one) meets a
+    mesh.
 
-    The XLA path is plain jnp, which the compiler partitions by itself. A Pallas kernel is one opaque call
+    The XLA path is plain jnp, which the compiler partitions by itself. A kernel is one opaque call
     that the partitioner would feed whole (gathering the pool onto every device), and that libtpu refuses to
     partition at all, so under a context mesh (jax.set_mesh) each shard runs the kernel on its own KV heads:
     q, k, v and the pool's head axis split on "model" when the KV heads divide it, else everything is

@@ -1,7 +1,10 @@
 """The one attention entry point models call, and the choice of implementation behind it."""
 
+import logging
+
 import jax
 
+from pallas_kernels.cpu_paged_attention import native_kernel_error, ragged_paged_attention_cpu
 from pallas_kernels.kv_pages import write_kv
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.paged_attention_gpu import paged_attention_gpu
@@ -9,19 +12,23 @@ from pallas_kernels.quantization import QuantizedKVPages, rotate, unrotate
 from pallas_kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
 from pallas_kernels.reference import ragged_paged_attention_reference
 
+logger = logging.getLogger(__name__)
+
 # What a config may ask for.
 ATTENTION_IMPLS = ("auto", "pallas", "interpret", "xla")
 # What runs: a resolved name says which kernel and whether it is interpreted.
-RESOLVED_IMPLS = ("xla", "pallas_tpu", "pallas_gpu", "interpret_tpu", "interpret_gpu")
+RESOLVED_IMPLS = ("xla", "cpu_native", "pallas_tpu", "pallas_gpu", "interpret_tpu", "interpret_gpu")
 
 
 def resolve_attention_impl(attention_impl: str = "auto", backend: str | None = None) -> str:
     """Turn a configured implementation name into the one that will run on this backend.
 
-    `auto` picks the Pallas TPU kernel on TPU, the Pallas GPU kernel on GPU and the XLA
-    reference on CPU (where it is the fast path). `interpret` runs a Pallas kernel in Pallas'
-    interpreter: the GPU kernel on a GPU backend, otherwise the TPU kernel. The resolved
-    names themselves are accepted too, e.g. `interpret_gpu` to interpret the GPU kernel on CPU.
+    `auto` picks the Pallas TPU kernel on TPU, the Pallas GPU kernel on GPU and, on CPU, the XLA
+    reference with the native kernel reading pages per token (`cpu_native`), or the plain XLA
+    reference where that kernel cannot be built (the reason is logged). `interpret` runs a Pallas
+    kernel in Pallas' interpreter: the GPU kernel on a GPU backend, otherwise the TPU kernel. The
+    resolved names themselves are accepted too, e.g. `interpret_gpu` to interpret the GPU kernel on
+    CPU, or `xla` for the pure-jnp reference alone.
 
     Args:
       attention_impl: auto | pallas | interpret | xla, or one of RESOLVED_IMPLS.
@@ -43,7 +50,11 @@ def resolve_attention_impl(attention_impl: str = "auto", backend: str | None = N
     if backend in ("gpu", "cuda", "rocm"):
         return "pallas_gpu"
     if attention_impl == "auto":
-        return "xla"
+        error = native_kernel_error() if backend == "cpu" else "not a CPU backend"
+        if error is not None:
+            logger.warning("attention on %s: the XLA reference, without the native CPU kernel (%s)", backend, error)
+            return "xla"
+        return "cpu_native"
     raise ValueError(
         f"attention_impl='pallas' needs a TPU or GPU, but the backend is {backend!r}; "
         "use 'xla' (the fast path on CPU), 'interpret' (the Pallas kernels, interpreted) or 'auto'"
@@ -73,6 +84,8 @@ def ragged_attention(
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if attention_impl == "xla":
         return ragged_paged_attention_reference(q, kv_pages, metadata, **options)
+    if attention_impl == "cpu_native":
+        return ragged_paged_attention_cpu(q, kv_pages, metadata, **options)
     if attention_impl in ("pallas_tpu", "interpret_tpu"):
         return ragged_paged_attention_tpu(q, kv_pages, metadata, interpret=attention_impl == "interpret_tpu", **options)
     if attention_impl in ("pallas_gpu", "interpret_gpu"):

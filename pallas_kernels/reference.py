@@ -1,6 +1,7 @@
 """Pure-jnp ragged paged attention: the reference every kernel is checked against."""
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -91,6 +92,23 @@ def ragged_paged_attention_reference(
       soft_cap: if set, scores become soft_cap * tanh(scores / soft_cap).
       kv_read: auto (= per_block) | per_token | per_sequence | per_block.
     """
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, kv_read=kv_read)
+    return ragged_attention_with_reader(q, kv_pages, metadata, token_reader=attend_per_token, **options)
+
+
+def ragged_attention_with_reader(
+    q: jax.Array,  # [T, num_q_heads, D]
+    kv_pages: jax.Array | QuantizedKVPages,  # [num_pages, page_size, 2 * K * D]
+    metadata: AttentionMetadata,
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    kv_read: str,
+    token_reader: Callable,
+) -> jax.Array:  # [T, num_q_heads, D]
+    """The reference's attention with another per-token page reader (`token_reader`, attend_per_token's
+    signature) wherever tokens read their own pages: how a native kernel reuses the blocked prefill path."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = num_kv_heads_of(kv_pages, head_dim)
     if num_q_heads % num_kv_heads:
@@ -113,12 +131,14 @@ def ragged_paged_attention_reference(
     query_positions = first_query_position[row] + jnp.arange(num_tokens) - metadata.cu_q_lens[row]
     token_kv_lens = jnp.where(live, metadata.kv_lens[row], 0)  # i32[T]
 
-    tokens = _TokenLayout(row, query_positions, token_kv_lens)
+    tokens = TokenLayout(row, query_positions, token_kv_lens)
     scaled_q = q.astype(jnp.float32) * sm_scale
     if kv_read == "per_token":
-        out = _attend_per_token(scaled_q, kv_pages, metadata.block_tables, tokens, sliding_window, soft_cap)
+        out = token_reader(scaled_q, kv_pages, metadata.block_tables, tokens, sliding_window, soft_cap)
     elif kv_read == "per_block":
-        out = _attend_per_block(scaled_q, kv_pages, metadata.block_tables, tokens, sliding_window, soft_cap)
+        out = _attend_per_block(
+            scaled_q, kv_pages, metadata.block_tables, tokens, sliding_window, soft_cap, token_reader
+        )
     else:
         seq_kv_lens = jnp.where(jnp.arange(num_rows) < metadata.num_seqs[0], metadata.kv_lens, 0)  # i32[S]
         out = _attend_per_sequence(
@@ -127,8 +147,8 @@ def ragged_paged_attention_reference(
     return out.astype(q.dtype)
 
 
-class _TokenLayout(NamedTuple):
-    """Per-token facts both page readers need."""
+class TokenLayout(NamedTuple):
+    """Per-token facts every page reader needs."""
 
     row: jax.Array  # i32[T] sequence row of each token (clamped for padding)
     query_positions: jax.Array  # i32[T] absolute position of each token
@@ -176,8 +196,16 @@ def _gather_heads_first(kv_pages, page_ids: jax.Array, head_dim: int) -> tuple[j
     return keys.astype(jnp.float32), values.astype(jnp.float32)
 
 
-def _attend_per_token(q, kv_pages, block_tables, tokens, sliding_window, soft_cap):
-    """Each token gathers its own sequence's next KV block at every step: [T, B] scores per step."""
+def attend_per_token(q, kv_pages, block_tables, tokens, sliding_window, soft_cap):
+    """Each token gathers its own sequence's next KV block at every step: [T, B] scores per step.
+
+    Args:
+      q: f32[T, N, D] queries, already scaled by sm_scale.
+      kv_pages: one layer's pool; block_tables: i32[S, W]; tokens: their TokenLayout.
+      sliding_window, soft_cap: as ragged_paged_attention_reference.
+    Returns:
+      f32[T, N, D]; padded tokens (kv length 0) are 0.
+    """
     num_tokens, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = kv_pages.shape[1], num_kv_heads_of(kv_pages, head_dim)
     group = num_q_heads // num_kv_heads
@@ -224,7 +252,7 @@ def _attend_rows_of_block(q_heads, kv_pages, block_tables, pages_per_block, bloc
     Args:
       q_heads: [K, Q * G, D] the block's queries, head-major (row t * G + g).
       block_tables: [S, W] padded to whole KV blocks.
-      block_tokens: _TokenLayout of the block's Q tokens.
+      block_tokens: TokenLayout of the block's Q tokens.
     Returns:
       [K, Q * G, D] attention output; padded tokens are 0.
     """
@@ -275,7 +303,7 @@ def _attend_rows_of_block(q_heads, kv_pages, block_tables, pages_per_block, bloc
     return acc / jnp.maximum(running_sum, 1e-30)[..., None]
 
 
-def _attend_per_block(q, kv_pages, block_tables, tokens, sliding_window, soft_cap):
+def _attend_per_block(q, kv_pages, block_tables, tokens, sliding_window, soft_cap, token_reader):
     """Query blocks of Q tokens: loop over the rows present, or read per token when a block spans many rows."""
     num_tokens, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = kv_pages.shape[1], num_kv_heads_of(kv_pages, head_dim)
@@ -287,7 +315,7 @@ def _attend_per_block(q, kv_pages, block_tables, tokens, sliding_window, soft_ca
     blocked = jax.tree.map(lambda a: a.reshape(num_q_blocks, q_block), tokens)
 
     def attend_query_block(inputs):
-        q_blk, block_tokens = inputs  # [Q, N, D], _TokenLayout of [Q]
+        q_blk, block_tokens = inputs  # [Q, N, D], TokenLayout of [Q]
         live = block_tokens.kv_lens > 0
         num_block_rows = jnp.max(jnp.where(live, block_tokens.row, -1)) - block_tokens.row[0] + 1
 
@@ -302,7 +330,7 @@ def _attend_per_block(q, kv_pages, block_tables, tokens, sliding_window, soft_ca
             return out.reshape(q_block, num_q_heads, head_dim)
 
         def by_tokens():
-            return _attend_per_token(q_blk, kv_pages, block_tables, block_tokens, sliding_window, soft_cap)
+            return token_reader(q_blk, kv_pages, block_tables, block_tokens, sliding_window, soft_cap)
 
         return jax.lax.cond(num_block_rows > _MAX_ROWS_PER_BLOCK, by_tokens, by_rows)
 
@@ -331,7 +359,7 @@ def _attend_per_sequence(q, kv_pages, block_tables, kv_lens, tokens, sliding_win
     blocked = jax.tree.map(lambda a: a.reshape(num_q_blocks, q_block), tokens)
 
     def attend_query_block(inputs):
-        q_blk, block_tokens = inputs  # [K, q_block * G, D], _TokenLayout of [q_block]
+        q_blk, block_tokens = inputs  # [K, q_block * G, D], TokenLayout of [q_block]
         own_row = block_tokens.row[:, None] == jnp.arange(num_rows)[None, :]  # bool[q_block, S]
         live = block_tokens.kv_lens > 0
 

@@ -1,0 +1,213 @@
+// Paged attention of single tokens on CPU, as an XLA FFI custom call (pallas_kernels/cpu_paged_attention.py).
+//
+// Each (token, KV head) pair walks its sequence's pages in place, one page at a time: scores of the G query heads
+// that share the KV head against the page's keys, an online-softmax rescale, then the values. Nothing is gathered
+// into a fresh block first, which is what bounds XLA:CPU's version (its gather copies about 4 GB/s); here each key
+// and value row is read once, straight from the pool. Work items are split over XLA's intra-op thread pool.
+//
+// Layout (pallas_kernels/kv_pages.py): kv_pages[num_pages, page_size, 2 * K * D], the key of head h in slot 2h
+// and its value in slot 2h + 1 of each token row. Semantics are the XLA reference's per-token read
+// (pallas_kernels/reference.py): a token sees positions p <= its position and p < its sequence's kv length, and,
+// with a sliding window w, p > position - w; tokens of kv length 0 (padding) get zeros.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr float kMaskValue = -0.7f * std::numeric_limits<float>::max();
+
+struct Shapes {
+  int64_t num_tokens, num_q_heads, head_dim, num_kv_heads, group, page_size, row_width, pages_per_seq, num_pages,
+      num_rows;
+};
+
+// bf16 bits to f32: the high half of an f32.
+inline float LoadValue(const float* p) { return *p; }
+inline float LoadValue(const uint16_t* p) {
+  uint32_t bits = static_cast<uint32_t>(*p) << 16;
+  float value;
+  __builtin_memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+template <typename T>
+inline float Dot(const float* q, const T* k, int64_t n) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += q[i] * LoadValue(k + i);
+  return sum;
+}
+
+template <typename T>
+inline void Axpy(float a, const T* v, float* acc, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) acc[i] += a * LoadValue(v + i);
+}
+
+// One token against one KV head: its G query heads, all of its visible positions.
+template <typename T>
+void AttendOne(const Shapes& s, const float* q, const T* pages, const int32_t* block_tables, int64_t token,
+               int64_t kv_head, int32_t row, int32_t position, int32_t kv_len, int64_t sliding_window,
+               float soft_cap, float* out) {
+  const int64_t G = s.group, D = s.head_dim, P = s.page_size;
+  float* out_heads = out + (token * s.num_q_heads + kv_head * G) * D;  // [G, D]
+  const int64_t end = std::min<int64_t>(static_cast<int64_t>(position) + 1, kv_len);
+  int64_t start = 0;
+  if (sliding_window > 0) start = std::max<int64_t>(0, static_cast<int64_t>(position) - sliding_window + 1);
+  if (kv_len <= 0 || end <= start) {
+    std::fill(out_heads, out_heads + G * D, 0.0f);
+    return;
+  }
+  const float* q_heads = q + (token * s.num_q_heads + kv_head * G) * D;  // [G, D]
+  std::vector<float> acc(G * D, 0.0f), running_max(G, kMaskValue), running_sum(G, 0.0f), scores(G * P);
+  // Indices are clamped as XLA clamps a gather's, so bad metadata reads a wrong page, never outside the pool.
+  const int32_t* table = block_tables + std::clamp<int64_t>(row, 0, s.num_rows - 1) * s.pages_per_seq;
+  for (int64_t first = start - start % P; first < end; first += P) {
+    const int64_t page_id = std::clamp<int64_t>(table[std::min(first / P, s.pages_per_seq - 1)], 0, s.num_pages - 1);
+    const T* page = pages + page_id * P * s.row_width;
+    const int64_t lo = std::max(first, start) - first, hi = std::min(first + P, end) - first;
+    for (int64_t g = 0; g < G; ++g) {
+      float block_max = kMaskValue;
+      for (int64_t slot = lo; slot < hi; ++slot) {
+        float score = Dot(q_heads + g * D, page + slot * s.row_width + 2 * kv_head * D, D);
+        if (soft_cap > 0.0f) score = soft_cap * std::tanh(score / soft_cap);
+        scores[g * P + slot] = score;
+        block_max = std::max(block_max, score);
+      }
+      const float new_max = std::max(running_max[g], block_max);
+      const float rescale = std::exp(running_max[g] - new_max);
+      float* acc_g = acc.data() + g * D;
+      if (rescale != 1.0f) {
+        for (int64_t i = 0; i < D; ++i) acc_g[i] *= rescale;
+      }
+      float sum = running_sum[g] * rescale;
+      for (int64_t slot = lo; slot < hi; ++slot) {
+        const float weight = std::exp(scores[g * P + slot] - new_max);
+        sum += weight;
+        Axpy(weight, page + slot * s.row_width + (2 * kv_head + 1) * D, acc_g, D);
+      }
+      running_max[g] = new_max;
+      running_sum[g] = sum;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inverse = 1.0f / std::max(running_sum[g], 1e-30f);
+    for (int64_t i = 0; i < D; ++i) out_heads[g * D + i] = acc[g * D + i] * inverse;
+  }
+}
+
+// Runs fn(item) for item in [0, count) over the pool's threads and this one; returns when every item is done.
+// The calling thread works too and waits only for items other threads claimed, never for a task to start (a
+// task queued behind busy threads finds nothing left and exits; the state it touches is shared, not on this
+// stack), so it cannot deadlock when the pool is busy.
+struct ParallelState {
+  explicit ParallelState(int64_t count) : count(count) {}
+  const int64_t count;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> finished{0};
+  std::mutex mutex;
+  std::condition_variable all_finished;
+};
+
+template <typename F>
+void ParallelFor(ffi::ThreadPool& pool, int64_t count, F& fn) {
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count) - 1;
+  auto state = std::make_shared<ParallelState>(count);
+  auto drain = [state, fn_ptr = &fn] {
+    for (int64_t item = state->next.fetch_add(1); item < state->count; item = state->next.fetch_add(1)) {
+      (*fn_ptr)(item);
+      if (state->finished.fetch_add(1) + 1 == state->count) {
+        std::lock_guard<std::mutex> lock(state->mutex);
+        state->all_finished.notify_all();
+      }
+    }
+  };
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([drain] { drain(); });
+  drain();
+  std::unique_lock<std::mutex> lock(state->mutex);
+  state->all_finished.wait(lock, [&] { return state->finished.load() == state->count; });
+}
+
+template <typename T>
+ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
+                  ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> positions,
+                  ffi::Buffer<ffi::S32> kv_lens, int64_t sliding_window, float soft_cap,
+                  ffi::ResultBuffer<ffi::F32> out) {
+  auto q_dims = q.dimensions();
+  auto page_dims = kv_pages.dimensions();
+  auto table_dims = block_tables.dimensions();
+  if (q_dims.size() != 3 || page_dims.size() != 3 || table_dims.size() != 2) {
+    return ffi::Error::InvalidArgument("expected q[T, N, D], kv_pages[pages, P, 2KD] and block_tables[S, W]");
+  }
+  Shapes s;
+  s.num_tokens = q_dims[0];
+  s.num_q_heads = q_dims[1];
+  s.head_dim = q_dims[2];
+  s.page_size = page_dims[1];
+  s.row_width = page_dims[2];
+  s.num_kv_heads = s.row_width / (2 * s.head_dim);
+  s.pages_per_seq = table_dims[1];
+  s.num_rows = table_dims[0];
+  s.num_pages = page_dims[0];
+  if (s.pages_per_seq <= 0 || s.num_rows <= 0 || s.num_pages <= 0) {
+    return ffi::Error::InvalidArgument("empty block tables or page pool");
+  }
+  if (s.num_kv_heads <= 0 || s.num_q_heads % s.num_kv_heads != 0) {
+    return ffi::Error::InvalidArgument("query heads must be a multiple of the pool's KV heads");
+  }
+  s.group = s.num_q_heads / s.num_kv_heads;
+  const float* q_data = q.typed_data();
+  const T* page_data = reinterpret_cast<const T*>(kv_pages.untyped_data());
+  const int32_t* table_data = block_tables.typed_data();
+  const int32_t* row_data = rows.typed_data();
+  const int32_t* position_data = positions.typed_data();
+  const int32_t* kv_len_data = kv_lens.typed_data();
+  float* out_data = out->typed_data();
+  auto attend = [&](int64_t item) {
+    const int64_t token = item / s.num_kv_heads, kv_head = item % s.num_kv_heads;
+    AttendOne(s, q_data, page_data, table_data, token, kv_head, row_data[token], position_data[token],
+              kv_len_data[token], sliding_window, soft_cap, out_data);
+  };
+  ParallelFor(pool, s.num_tokens * s.num_kv_heads, attend);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuPagedAttentionF32, Attend<float>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q, scaled: [T, N, D]
+                                  .Arg<ffi::AnyBuffer>()         // kv_pages: f32[pages, P, 2KD]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables: [S, W]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows: [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions: [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens: [T]
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuPagedAttentionBF16, Attend<uint16_t>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q, scaled: [T, N, D]
+                                  .Arg<ffi::AnyBuffer>()         // kv_pages: bf16[pages, P, 2KD]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables: [S, W]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows: [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions: [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens: [T]
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,128 @@
+"""The native CPU attention kernel (pallas_kernels/cpu_paged_attention.cc) against the pure-jnp reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_cases import CASES, make_case, relative_error, standard_case
+
+from pallas_kernels import cpu_paged_attention as native
+from pallas_kernels import ragged_paged_attention_reference, resolve_attention_impl
+
+# The kernel and the reference read the same stored values and both accumulate in f32; only the order of the
+# sums differs.
+TOLERANCE = 2e-6
+
+
+def _both(case, **options):
+    """(native, reference) outputs for one case."""
+    options = dict(sm_scale=case.sm_scale, **options)
+    out = native.ragged_paged_attention_cpu(case.q, case.kv_pages, case.metadata, **options)
+    ref = ragged_paged_attention_reference(case.q, case.kv_pages, case.metadata, **options)
+    return np.asarray(out), np.asarray(ref)
+
+
+def _check(case, **options):
+    out, ref = _both(case, **options)
+    assert np.isfinite(out).all()  # the NaN in every unused slot never reaches an output
+    assert relative_error(out, ref, case.num_live_tokens) < TOLERANCE
+    np.testing.assert_array_equal(out[case.num_live_tokens :], 0.0)  # padded tokens
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _kernel_builds():
+    """The suite's machines have a compiler: the kernel must build there, not skip."""
+    assert native.native_kernel_error() is None, native.native_kernel_error()
+
+
+# The plain-pool kernel cases (every batch kind, page size, head_dim and GQA ratio among them), and one 8-bit
+# case: 8-bit pools keep the reference's reader inside the same path.
+NATIVE_CASES = [case for case in CASES if case[0] in ("float32", "bfloat16")] + [("int8", "mixed", 32, 64, 2)]
+
+
+@pytest.mark.parametrize("kv_read", ["per_token", "auto"])
+@pytest.mark.parametrize("kv_dtype,kind,page_size,head_dim,group", NATIVE_CASES)
+def test_native_kernel_matches_the_reference(kv_dtype, kind, page_size, head_dim, group, kv_read):
+    """Reading per token throughout, or per block (decode blocks by the kernel, prefill blocks by the reference's
+    matmuls)."""
+    seed = CASES.index((kv_dtype, kind, page_size, head_dim, group))
+    _check(standard_case(seed, kv_dtype, kind, page_size, head_dim, group), kv_read=kv_read)
+
+
+@pytest.mark.parametrize("sliding_window,soft_cap", [(5, None), (None, 2.0), (20, 5.0), (1, None)])
+def test_sliding_window_and_soft_cap(sliding_window, soft_cap):
+    case = standard_case(4, "float32", "mixed", 8, 64, 2)
+    _check(case, kv_read="per_token", sliding_window=sliding_window, soft_cap=soft_cap)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_layouts(seed):
+    """Random head counts, GQA groups, page sizes, lengths (to 300 positions), padding and table widths."""
+    rng = np.random.default_rng(100 + seed)
+    num_seqs = int(rng.integers(1, 9))
+    page_size = int(rng.choice([1, 4, 16, 32]))
+    kv_lens = rng.integers(1, 300, num_seqs).tolist()
+    q_lens = [int(rng.integers(1, min(n, 4) + 1)) for n in kv_lens]
+    case = make_case(
+        seed,
+        kv_lens=kv_lens,
+        q_lens=q_lens,
+        page_size=page_size,
+        num_kv_heads=int(rng.choice([1, 2, 3, 8])),
+        group=int(rng.choice([1, 2, 3, 5])),
+        head_dim=int(rng.choice([32, 64, 128])),
+        kv_dtype=str(rng.choice(["float32", "bfloat16"])),
+        padded_tokens=sum(q_lens) + int(rng.integers(0, 6)),
+        padded_rows=num_seqs + int(rng.integers(0, 3)),
+        extra_pages_per_seq=int(rng.integers(0, 3)),
+    )
+    _check(case, kv_read="per_token")
+
+
+def test_bad_page_ids_read_inside_the_pool():
+    """A block table naming pages past the pool is clamped as XLA clamps a gather: a wrong answer, never a read
+    outside the pool's memory."""
+    case = standard_case(1, "float32", "decode", 16, 64, 2)
+    metadata = case.metadata
+    broken = metadata.__class__(**{**vars(metadata), "block_tables": metadata.block_tables + 10**6})
+    out = native.ragged_paged_attention_cpu(case.q, case.kv_pages, broken, sm_scale=case.sm_scale, kv_read="per_token")
+    assert np.asarray(out).shape == case.q.shape
+
+
+def test_auto_resolves_to_the_native_kernel_on_cpu():
+    assert resolve_attention_impl("auto", backend="cpu") == "cpu_native"
+    assert resolve_attention_impl("xla", backend="cpu") == "xla"  # the pure-jnp reference stays selectable
+    assert resolve_attention_impl("auto", backend="tpu") == "pallas_tpu"
+
+
+def test_without_a_compiler_auto_keeps_the_reference_and_cpu_native_says_why(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv(native.CACHE_ENV_VAR, str(tmp_path / "cache"))
+    native._load.cache_clear()
+    try:
+        assert "building the native CPU attention kernel failed" in native.native_kernel_error()
+        assert resolve_attention_impl("auto", backend="cpu") == "xla"
+        assert "without the native CPU kernel" in caplog.text
+        case = standard_case(0, "float32", "decode", 8, 64, 1)
+        with pytest.raises(RuntimeError, match="cpu_native' cannot run: building .* use attention_impl='xla'"):
+            jax.jit(lambda q: native.ragged_paged_attention_cpu(q, case.kv_pages, case.metadata, sm_scale=1.0))(case.q)
+    finally:
+        monkeypatch.undo()
+        native._load.cache_clear()  # the next caller finds the real one again
+    assert native.native_kernel_error() is None
+
+
+def test_the_library_is_built_once_and_reused(monkeypatch, tmp_path):
+    """A fresh cache folder gets one library; a second process-level load finds it instead of compiling."""
+    monkeypatch.setenv(native.CACHE_ENV_VAR, str(tmp_path))
+    native._load.cache_clear()
+    try:
+        assert native.native_kernel_error() is None
+        (library,) = list(tmp_path.iterdir())
+        built = library.stat().st_mtime_ns
+        native._load.cache_clear()
+        assert native.native_kernel_error() is None and library.stat().st_mtime_ns == built
+    finally:
+        monkeypatch.undo()
+        native._load.cache_clear()
+    assert jnp.dtype(jnp.bfloat16) in native._TARGETS
