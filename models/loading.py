@@ -52,7 +52,7 @@ def load(
       dtype: parameter storage dtype, "float32" or "bfloat16".
       mesh: if given, parameters are placed on it, sharded by their logical axes.
       sharding_rules: logical axis -> mesh axis (models.sharding.DEFAULT_SHARDING_RULES).
-      attention_impl: auto | pallas | interpret | xla (see pallas_kernels).
+      attention_impl: auto | pallas | interpret | cpu_native | xla (see pallas_kernels).
       compute_dtype: activation dtype; default f32 on CPU and bf16 on GPU/TPU.
       require_tokenizer: raise when the checkpoint has no tokenizer (else tokenizer is None).
       allow_nonfinite_weights: skip the check that every weight is finite (a NaN or Inf weight is a CheckpointError

@@ -34,6 +34,8 @@ def resolve_attention_impl(attention_impl: str = "auto", backend: str | None = N
       attention_impl: auto | pallas | interpret | xla, or one of RESOLVED_IMPLS.
       backend: tpu | gpu | cpu; by default jax.default_backend() at the time of the call.
     """
+    if attention_impl == "cpu_native" and (backend or jax.default_backend()) != "cpu":
+        raise ValueError("attention_impl='cpu_native' runs on CPU only; use 'auto' to pick the backend's kernel")
     if attention_impl in RESOLVED_IMPLS:
         return attention_impl
     if attention_impl not in ATTENTION_IMPLS:

@@ -119,8 +119,9 @@ class LoadConfig:
     dtype: str = option("float32", "Parameter storage dtype.", choices=("float32", "bfloat16"))
     attention_impl: str = option(
         "auto",
-        "Attention implementation: the backend's kernel, a kernel, the interpreter, or XLA.",
-        choices=("auto", "pallas", "interpret", "xla"),
+        "Attention implementation: the backend's kernel (on CPU the native one where it builds), a Pallas kernel, "
+        "the Pallas interpreter, the native CPU kernel, or the pure-jnp XLA reference.",
+        choices=("auto", "pallas", "interpret", "cpu_native", "xla"),
     )
     skip_tokenizer_init: bool = option(
         False, "Load the weights only, without a tokenizer (as vLLM's flag); prompts must then be token ids."

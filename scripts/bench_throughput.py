@@ -33,9 +33,11 @@ Metrics per row, best of --repeats:
   decode_ms_per_step: each request's time from its first generated token to its last, over new_tokens - 1 steps,
     averaged over the batch (transformers: the batch's; llama.cpp: its own per-request timings).
   prefill_roofline_share, decode_roofline_share (f32 and bf16 rows): the time the work needs at this run's measured
-    ceilings over the time it took. Prefill: 2 * params FLOPs per prompt token at the matmul ceiling. Decode: the
-    larger of a step's FLOPs (2 * params * batch) at the matmul ceiling and its bytes (the weights, plus the KV of
-    every request at its mean context) at the read bandwidth, a jitted sum over READ_BYTES.
+    ceilings over the time it took (throughput_report.roofline_shares). A prompt token costs 2 FLOPs per weight
+    of the layers (no lm_head: only the last one has logits); a generated one adds the lm_head. Prefill: that at
+    the matmul ceiling (bf16 rows: a bf16 jnp.dot's, accumulated in f32). Decode: the larger of a step's FLOPs at
+    the ceiling and its bytes (the layers' and lm_head's weights, plus the KV of every request at its mean
+    context) at the read bandwidth, a jitted sum over READ_BYTES. Attention FLOPs are left out.
 
 `paxkv_bf16` is this checkout with bf16 weights (f32 activations, accumulation and KV): not an equal-precision
 peer of the f32 systems, so its rows say so, and its tokens may differ from paxkv's where bf16 rounding flips a
@@ -185,18 +187,20 @@ def _parse_names(text: str, valid: tuple[str, ...], what: str) -> list[str]:
     return names
 
 
-def _matmul_ceiling_gflops(size: int = MATMUL_SIZE, repeats: int = 10) -> float:
-    """The f32 matmul ceiling: a jitted jnp.dot of two size x size matrices, best of `repeats`, in GFLOP/s.
+def _matmul_ceiling_gflops(size: int = MATMUL_SIZE, repeats: int = 10, dtype: str = "float32") -> float:
+    """The matmul ceiling: a jitted jnp.dot of two size x size matrices (bf16: accumulated in f32, as paxkv's bf16
+    weights multiply), best of `repeats`, in GFLOP/s.
 
     Args:
       size: the matrices' side.
       repeats: timed runs after one warm-up.
+      dtype: the operands' dtype.
     """
     import jax
     import jax.numpy as jnp
 
-    a, b = jax.random.normal(jax.random.key(0), (2, size, size), jnp.float32)
-    dot = jax.jit(jnp.dot)
+    a, b = jax.random.normal(jax.random.key(0), (2, size, size), jnp.float32).astype(dtype)
+    dot = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
     dot(a, b).block_until_ready()
     best = float("inf")
     for _ in range(repeats):
@@ -356,6 +360,7 @@ class _ModelBench:
             self.result["vocab_size"][self.model] = self.vocab_size
         if system == "paxkv" and ready.get("kv_bytes_per_token"):
             self.result["kv_bytes_per_token"][self.model] = ready["kv_bytes_per_token"]
+            self.result["model_shape"][self.model] = ready["shape"]
 
     def _fail(self, system: str, batch: int | None, error: Exception) -> None:
         """Record a worker's failure and drop that system for the rest of this model."""
@@ -496,6 +501,8 @@ def main(argv):
         "roofline_gflops": None,
         "read_bandwidth_gbs": None,
         "kv_bytes_per_token": {},
+        "model_shape": {},
+        "roofline_gflops_bf16": None,
         "skipped": [],
         "machine": _machine(),
         "params": {},
@@ -530,6 +537,7 @@ def main(argv):
     }
     print("-- measuring the f32 matmul ceiling", file=sys.stderr)
     result["roofline_gflops"] = _matmul_ceiling_gflops()
+    result["roofline_gflops_bf16"] = _matmul_ceiling_gflops(dtype="bfloat16")
     result["read_bandwidth_gbs"] = _read_bandwidth_gbs()
     print(
         f"-- ceiling {result['roofline_gflops']:.0f} GFLOP/s, reads {result['read_bandwidth_gbs']:.1f} GB/s",

@@ -7,19 +7,33 @@ READ_BYTES = 512 << 20  # the read bandwidth's jitted sum reads this many bytes 
 WEIGHT_BYTES = {"paxkv_bf16": 2}  # bytes per weight of each system; 4 (f32) unless named; llama.cpp's are its own
 
 
+def work_per_token(params: int, shape: dict | None) -> tuple[int, int]:
+    """(weights a prompt token multiplies, weights a generated token multiplies and reads): the layers', plus the
+    lm_head's for a generated token; the embedding is a lookup. Without the model's shape, params for both."""
+    if not shape:
+        return params, params
+    embedding = shape["embedding_params"]
+    layers = params - embedding * (1 if shape["tied_embeddings"] else 2)
+    return layers, layers + embedding
+
+
 def roofline_shares(row: dict, params: int | None, kv_bytes_per_token: int | None, result: dict) -> dict:
     """The row's prefill and decode time at this run's ceilings over its measured time (see bench_throughput)."""
     if not params or row["system"] == "llamacpp":
         return {}
-    ceiling = result["roofline_gflops"] * 1e9  # FLOP/s
+    bf16 = row["system"] == "paxkv_bf16"
+    ceiling = (result.get("roofline_gflops_bf16") if bf16 else None) or result["roofline_gflops"]
+    ceiling *= 1e9  # FLOP/s
+    prompt_weights, generated_weights = work_per_token(params, result.get("model_shape", {}).get(row["model"]))
     shares = {}
     if row.get("prefill_tokens_per_s"):
-        shares["prefill_roofline_share"] = 2 * params * row["prefill_tokens_per_s"] / ceiling
+        shares["prefill_roofline_share"] = 2 * prompt_weights * row["prefill_tokens_per_s"] / ceiling
     bandwidth = (result.get("read_bandwidth_gbs") or 0) * 1e9  # bytes/s
     if row.get("decode_ms_per_step") and bandwidth and kv_bytes_per_token:
         mean_context = row["prompt_len"] + row["new_tokens"] / 2
-        step_bytes = params * WEIGHT_BYTES.get(row["system"], 4) + row["batch"] * mean_context * kv_bytes_per_token
-        needed_s = max(2 * params * row["batch"] / ceiling, step_bytes / bandwidth)
+        weight_bytes = generated_weights * WEIGHT_BYTES.get(row["system"], 4)
+        step_bytes = weight_bytes + row["batch"] * mean_context * kv_bytes_per_token
+        needed_s = max(2 * generated_weights * row["batch"] / ceiling, step_bytes / bandwidth)
         shares["decode_roofline_share"] = needed_s / (row["decode_ms_per_step"] / 1e3)
     return shares
 
@@ -81,7 +95,8 @@ def markdown(result: dict) -> str:
         f"{s['new_tokens']} new tokens, best of {s['repeats']}",
         "",
         f"Machine: {result['machine']}. f32 matmul ceiling (jitted jnp.dot, {MATMUL_SIZE}x{MATMUL_SIZE}): "
-        f"{result['roofline_gflops']:.0f} GFLOP/s; read bandwidth (jitted sum over {READ_BYTES >> 20} MiB): "
+        f"{result['roofline_gflops']:.0f} GFLOP/s (bf16: {_fmt(result.get('roofline_gflops_bf16'), '.0f')}); "
+        f"read bandwidth (jitted sum over {READ_BYTES >> 20} MiB): "
         f"{_fmt(result.get('read_bandwidth_gbs'), '.1f')} GB/s. torch threads: {s['threads']}. "
         f"paxkv commit {result['paxkv_commit']}.",
         "",

@@ -95,6 +95,10 @@ class _PaxkvRunner:
         self.params = sum(int(leaf.size) for leaf in jax.tree.leaves(loaded.state))  # a tied embedding is stored once
         self.vocab_size = loaded.config.vocab_size
         self.kv_bytes_per_token = self.llm.engine.pool.bytes_per_token
+        self.shape = {  # what the roofline shares need: a token's work is not 2 x params (see throughput_report)
+            "embedding_params": loaded.config.vocab_size * loaded.config.hidden_size,
+            "tied_embeddings": bool(loaded.config.tie_word_embeddings),
+        }
         self.version = importlib.metadata.version("paxkv")
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float | None, list[list[int]], dict]:
@@ -359,6 +363,7 @@ def _worker_main(spec: dict) -> None:
                 "vocab_size": runner.vocab_size,
                 "version": runner.version,
                 "kv_bytes_per_token": getattr(runner, "kv_bytes_per_token", None),
+                "shape": getattr(runner, "shape", None),
                 "peak_rss_mib": _tree_peak_rss_mib(),
             }
         )

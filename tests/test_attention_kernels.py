@@ -173,6 +173,8 @@ def test_dispatch_errors_name_the_fix():
         resolve_attention_impl("pallas", backend="cpu")
     with pytest.raises(ValueError, match="not one of"):
         resolve_attention_impl("triton", backend="cpu")
+    with pytest.raises(ValueError, match="'cpu_native' runs on CPU only; use 'auto'"):
+        resolve_attention_impl("cpu_native", backend="tpu")
 
 
 def test_gpu_kernel_refuses_non_power_of_two_pages():

@@ -220,7 +220,8 @@ def test_bench_throughput_paxkv_against_transformers_and_a_baseline(tmp_path):
         assert 0 < row["decode_ms_per_step"] < 1e3 * 8 / row["tokens_per_s"]
         assert 0 < row["prefill_roofline_share"] and 0 < row["decode_roofline_share"]
     assert result["roofline_gflops"] > 0 and result["read_bandwidth_gbs"] > 0
-    assert result["kv_bytes_per_token"]["random_llama"] > 0
+    assert result["kv_bytes_per_token"]["random_llama"] > 0 and result["roofline_gflops_bf16"] > 0
+    assert result["model_shape"]["random_llama"] == {"embedding_params": 32000 * 256, "tied_embeddings": False}
     params = result["params_by_system"]["random_llama"]
     assert params["paxkv"] == params["transformers"] == result["params"]["random_llama"] > 0
     assert 0 < rows["paxkv"]["mfu"] < 1 and rows["paxkv"]["roofline_tokens_per_s"] > 0
@@ -327,8 +328,9 @@ def test_throughput_report_gives_bf16_its_own_ratio_column(monkeypatch):
 
 
 def test_throughput_report_shares_llamacpp_row_and_skipped_models(monkeypatch):
-    """Roofline shares follow their definition; llama.cpp rows get a ratio but no share, and say what they are; a
-    model llama.cpp cannot run is listed as skipped."""
+    """Roofline shares follow their definition (a prompt token multiplies the layers' weights, a generated one the
+    lm_head's too); llama.cpp rows get a ratio but no share, and say what they are; a model llama.cpp cannot run
+    is listed as skipped."""
     monkeypatch.syspath_prepend(SCRIPTS)
     import throughput_report
 
@@ -352,6 +354,7 @@ def test_throughput_report_shares_llamacpp_row_and_skipped_models(monkeypatch):
         roofline_gflops=100.0,
         read_bandwidth_gbs=10.0,
         kv_bytes_per_token={"smollm2": 1000},
+        model_shape={"smollm2": {"embedding_params": 2 * 10**7, "tied_embeddings": True}},
         paxkv_commit="abc",
         params={"smollm2": 1e8},
         rows=[row("paxkv", 50.0, 100.0), row("llamacpp", 100.0, 20.0)],
@@ -363,12 +366,13 @@ def test_throughput_report_shares_llamacpp_row_and_skipped_models(monkeypatch):
     )
     throughput_report.add_derived(result)
     paxkv, llamacpp = result["rows"]
-    # Prefill: 2e8 FLOPs a token x 200 tok/s over 1e11 FLOP/s. Decode: 4e8 weight bytes + 2 x 150 x 1000 KV bytes
+    # 1e8 parameters, 2e7 of them the tied embedding: a prompt token multiplies 8e7 weights, a generated one 1e8.
+    # Prefill: 1.6e8 FLOPs a token x 200 tok/s over 1e11 FLOP/s. Decode: 4e8 weight bytes + 2 x 150 x 1000 KV bytes
     # at 1e10 B/s (40.03 ms, above the 4 ms of FLOPs), over the 100 ms step.
-    assert paxkv["prefill_roofline_share"] == pytest.approx(0.4)
+    assert paxkv["prefill_roofline_share"] == pytest.approx(0.32)
     assert paxkv["decode_roofline_share"] == pytest.approx(0.4003)
     assert "decode_roofline_share" not in llamacpp and llamacpp["paxkv_over_this"] == pytest.approx(0.5)
     table = throughput_report.markdown(result)
-    assert "| smollm2 | 2 | paxkv | 50.0 | — | 1.000 | 200 | 100.0 | 40% / 40% |" in table
+    assert "| smollm2 | 2 | paxkv | 50.0 | — | 1.000 | 200 | 100.0 | 32% / 40% |" in table
     assert "| smollm2 | 2 | llamacpp | 100.0 | 0.50 | 1.000 | 200 | 20.0 | — / — |" in table
     assert "not an equal-precision peer" in table and "llamacpp/random_llama skipped: no GGUF." in table

@@ -30,7 +30,7 @@ class LLM:
           model: anything models.load accepts; None is the embedded SmolLM2.
           dtype: parameter storage dtype.
           skip_tokenizer_init: load weights only (as vLLM's flag); prompts must then be token-id lists.
-          attention_impl: auto | pallas | interpret | xla.
+          attention_impl: auto | pallas | interpret | cpu_native | xla.
           allow_nonfinite_weights: load weights holding NaN or Inf instead of refusing them.
           **engine_config: EngineConfig fields (num_pages, max_num_seqs, max_num_batched_tokens, mesh_shape, ...).
         """
