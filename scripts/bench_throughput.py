@@ -61,17 +61,15 @@ worker needs only vllm in the --vllm_python environment.
 import json
 import os
 import platform
-import select
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 
 from throughput_models import RANDOM_LLAMA, RANDOM_LLAMA_SEED, save_random_llama, save_smollm2_hf
+from throughput_process import Worker, WorkerError
 from throughput_report import MATMUL_SIZE, READ_BYTES, add_derived, markdown, plot  # scripts/ is on sys.path
 
-WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "throughput_worker.py")
 MODELS = ("smollm2", "random_llama")
 SYSTEMS = ("paxkv", "paxkv_bf16", "paxkv_baseline", "transformers", "vllm", "llamacpp")
 # Systems whose tokens are not compared with paxkv's: other weights (bf16 rounding, llama.cpp's Q4_1).
@@ -81,96 +79,6 @@ PROMPT_SEED = 0
 PROMPT_ID_LOW = 100  # prompts draw ids from [100, vocab): SmolLM2 keeps its special tokens among the low ids
 SETTLE_S = 0.5  # pause before each call, so the previous system's spinning threads are idle
 READY_TIMEOUT_S = 1800
-REPLY_TIMEOUT_S = 3600
-
-
-# ---------------------------------------------------------------------------------------------------- parent side
-
-
-class WorkerError(RuntimeError):
-    """A worker failed, died or went silent."""
-
-
-class _Worker:
-    """One worker subprocess and its JSON-lines protocol."""
-
-    def __init__(self, python: str, spec: dict, env: dict):
-        """Start the worker; it loads its model in the background until wait_ready.
-
-        Args:
-          python: the interpreter to run this file with.
-          spec: the worker spec.
-          env: the worker's environment.
-        """
-        self.name = f"{spec['system']}/{spec['model']}"
-        self.proc = subprocess.Popen(
-            [python, WORKER_SCRIPT, json.dumps(spec)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            start_new_session=True,  # its own process group, so close() can end the engine processes it starts
-        )
-        self._buffer = b""
-
-    def receive(self, timeout_s: float) -> dict:
-        """The worker's next JSON message; raises WorkerError on an error message, exit or timeout.
-
-        Args:
-          timeout_s: the longest wait.
-        """
-        deadline = time.monotonic() + timeout_s
-        fd = self.proc.stdout.fileno()
-        while True:
-            while b"\n" not in self._buffer:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-                    raise WorkerError(f"{self.name}: no answer within {timeout_s:.0f} s")
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:
-                    raise WorkerError(f"{self.name}: exited with code {self.proc.wait()} (see its stderr above)")
-                self._buffer += chunk
-            line, self._buffer = self._buffer.split(b"\n", 1)
-            try:
-                message = json.loads(line)
-            except json.JSONDecodeError:
-                print(f"[{self.name} stdout] {line.decode(errors='replace')}", file=sys.stderr)
-                continue
-            if message.get("event") == "error":
-                raise WorkerError(f"{self.name} failed:\n{message['message']}")
-            return message
-
-    def request(self, command: dict, timeout_s: float = REPLY_TIMEOUT_S) -> dict:
-        """Send one command and return the answer.
-
-        Args:
-          command: the JSON command.
-          timeout_s: the longest wait for the answer.
-        """
-        try:
-            self.proc.stdin.write((json.dumps(command) + "\n").encode())
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            raise WorkerError(f"{self.name}: exited with code {self.proc.wait()}") from None
-        return self.receive(timeout_s)
-
-    def close(self) -> None:
-        """Ask the worker to quit; end its process group if it has not within a minute."""
-        try:
-            self.proc.stdin.write(b'{"cmd": "quit"}\n')
-            self.proc.stdin.close()
-        except (BrokenPipeError, ValueError):
-            pass
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                    self.proc.wait(timeout=wait_s)
-                    break
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    continue
-        self.proc.stdout.close()
 
 
 def _parse_ints(text: str) -> list[int]:
@@ -312,7 +220,7 @@ class _ModelBench:
           result: the JSON result being filled.
         """
         self.model_index, self.model, self.flags, self.result = model_index, model, flag_values, result
-        self.workers: dict[str, _Worker] = {}
+        self.workers: dict[str, Worker] = {}
         self.vocab_size: int | None = None
 
     def run(self, systems: list[str], sources: dict) -> None:
@@ -332,7 +240,7 @@ class _ModelBench:
                 python = python or sys.executable
                 spec = _worker_spec(system, self.model, sources, self.flags)
                 env = _worker_env(system, self.flags.threads, self.flags.baseline)
-                self.workers[system] = _Worker(python, spec, env)
+                self.workers[system] = Worker(python, spec, env)
             for system in list(self.workers):
                 self._wait_ready(system)
             params = self.result["params_by_system"].get(self.model, {})
