@@ -124,9 +124,13 @@ def write_kv(
 
 
 def _scatter_rows(pages: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
-    """pages [num_pages, P, W] with rows [T, W] written at flat token slots."""
-    num_pages, page_size, width = pages.shape
-    return pages.reshape(num_pages * page_size, width).at[slots].set(rows).reshape(pages.shape)
+    """pages [num_pages, P, W] with rows [T, W] written at flat token slots.
+
+    Indexed by (page, offset), not through a flat [num_pages * P, W] view: XLA:CPU's elemental emitters copy the
+    whole pool to write one row through the view (24 ms for 256 MiB, where this takes 0.014 ms).
+    """
+    page_size = pages.shape[1]
+    return pages.at[slots // page_size, slots % page_size].set(rows)
 
 
 def pool_partition_spec(pool, *, page_axis: str | None, head_axis: str | None):
