@@ -1,6 +1,6 @@
 """paxkv: a JAX/Pallas LLM inference runtime built around a paged KV cache."""
 
-from paxkv.config import EngineConfig
+from paxkv.config import EngineConfig, SpeculativeConfig
 from paxkv.core.engine import Engine
 from paxkv.core.outputs import CompletionOutput, RequestOutput
 from paxkv.entrypoints.compilation_cache import enable_compilation_cache
@@ -17,5 +17,6 @@ __all__ = [
     "PageAllocator",
     "RequestOutput",
     "SamplingParams",
+    "SpeculativeConfig",
     "enable_compilation_cache",
 ]

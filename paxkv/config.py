@@ -1,5 +1,6 @@
 """The configs, validated once: EngineConfig (page pool, budgets, context, KV dtype, preemption, mesh) and
-LoadConfig (how the model is loaded). Their fields are the command line's flags."""
+LoadConfig (how the model is loaded) and SpeculativeConfig (drafting tokens to verify in one step). Their fields
+are the command line's flags."""
 
 import dataclasses
 import operator
@@ -8,6 +9,7 @@ from paxkv.parallel.mesh import parse_mesh_shape
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
+SPECULATIVE_METHODS = ("none", "ngram", "draft_model")
 
 
 def option(default, help: str, *, flag: str | None = None, kind: str | None = None, choices=None):
@@ -22,6 +24,65 @@ def option(default, help: str, *, flag: str | None = None, kind: str | None = No
     """
     metadata = {"help": help, "flag": flag, "kind": kind, "choices": choices}
     return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: draft up to num_speculative_tokens tokens per decoding request and verify them all in
+    the next step, as vLLM's speculative_config names them. Every field is a flag of the `paxkv` command line.
+
+    Output is unchanged by it: greedy and seeded sampling give the same tokens as without (each position samples
+    with its own key, and a draft stands only where it equals that sample).
+    """
+
+    method: str = option(
+        "none",
+        "Speculative decoding: ngram (prompt lookup: drafts copied from earlier in the prompt and output), or none.",
+        flag="speculative_method",
+        choices=SPECULATIVE_METHODS,
+    )
+    num_speculative_tokens: int = option(4, "Most draft tokens per request and step.")
+    prompt_lookup_max: int = option(4, "ngram: the longest suffix matched against earlier tokens.")
+    prompt_lookup_min: int = option(1, "ngram: the shortest suffix matched.")
+    model: str | None = option(None, "draft_model: the draft model's checkpoint.", flag="speculative_model")
+    adaptive: bool = option(
+        True,
+        "Draft every proposed token even where the measured acceptance and step costs say it slows the batch.",
+        flag="no_adaptive_speculation",
+        kind="negated",
+    )
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if self.method == "draft_model":
+            raise ValueError("speculative method 'draft_model' is not available in this version; use method='ngram'")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative {name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min={self.prompt_lookup_min} exceeds prompt_lookup_max={self.prompt_lookup_max}; "
+                "make the minimum at most the maximum"
+            )
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
+        """A SpeculativeConfig from a dict of its fields (vLLM's names), or None where speculation is off.
+
+        Args:
+          value: None, a SpeculativeConfig, or a dict such as {"method": "ngram", "num_speculative_tokens": 4}.
+        """
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {field.name for field in dataclasses.fields(cls)})
+            if unknown:
+                known = ", ".join(field.name for field in dataclasses.fields(cls))
+                raise ValueError(f"speculative_config has unknown keys {unknown}; the keys are {known}")
+            value = cls(**value)
+        if value is not None and not isinstance(value, cls):
+            raise TypeError(f"speculative_config must be a dict or a SpeculativeConfig, not {type(value).__name__}")
+        return None if value is None or value.method == "none" else value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +131,13 @@ class EngineConfig:
         "data-parallel replicas, each with its own share of the pool.",
         flag="mesh",
     )
+    # Its own flags (config_flags defines a nested config's fields as flags of their own).
+    speculative_config: SpeculativeConfig | dict | None = dataclasses.field(
+        default=None, metadata={"nested": SpeculativeConfig}
+    )
 
     def __post_init__(self):
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         parse_mesh_shape(self.mesh_shape)  # raises on an unknown axis or a bad size
         # Integral values of other types (numpy integers) become ints; anything else is left for the checks below.
         for name in (
@@ -104,6 +170,13 @@ class EngineConfig:
         if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
             raise ValueError(
                 f"swap_space_bytes must be a non-negative integer (0 = no swapping), got {self.swap_space_bytes!r}"
+            )
+        speculative = self.speculative_config
+        if speculative is not None and speculative.num_speculative_tokens + 1 > self.max_num_batched_tokens:
+            raise ValueError(
+                f"num_speculative_tokens={speculative.num_speculative_tokens} drafts and their request's token do not "
+                f"fit one step of max_num_batched_tokens={self.max_num_batched_tokens}; lower num_speculative_tokens "
+                "or raise max_num_batched_tokens"
             )
         if not isinstance(self.watermark, (int, float)) or not 0 <= self.watermark < 1:
             raise ValueError(

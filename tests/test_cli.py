@@ -70,7 +70,8 @@ SYSTEM = "You are a careful assistant who answers in one short sentence. " * 6
 
 @pytest.fixture(scope="module")
 def jsonl_runs(tmp_path_factory) -> dict:
-    """One prompts file, with bad lines, run twice: prefix caching on (the default) and off.
+    """One prompts file, with bad lines, run twice: prefix caching on (the default), and off with n-gram
+    speculation on (neither may change a greedy token).
 
     The two tests below share these two runs (each loads SmolLM2 and generates in a process of its own).
     Returns label -> (records by id, the metrics summary, stderr).
@@ -93,7 +94,7 @@ def jsonl_runs(tmp_path_factory) -> dict:
     prompts = folder / "prompts.jsonl"
     prompts.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
     runs = {}
-    for label, extra in (("on", []), ("off", ["--no_prefix_caching"])):
+    for label, extra in (("on", []), ("off", ["--no_prefix_caching", "--speculative_method=ngram"])):
         output, metrics = folder / f"{label}.jsonl", folder / f"{label}.json"
         result = _run_cli(
             f"--prompts_file={prompts}",
@@ -125,11 +126,12 @@ def test_jsonl_round_trip_with_bad_lines_skipped(jsonl_runs):
     assert "requests finished, 3 rejected" in stderr
 
 
-def test_prefix_caching_on_and_off_agree_and_are_summarized(jsonl_runs):
+def test_prefix_caching_and_speculation_keep_the_tokens_and_are_summarized(jsonl_runs):
     (on_records, on_summary, on_stderr), (off_records, off_summary, off_stderr) = jsonl_runs["on"], jsonl_runs["off"]
     assert "# prefix cache:" in on_stderr and "# prefix cache:" in off_stderr
     on, off = ({r["id"]: r for r in records} for records in (on_records, off_records))
     assert {k: r.get("token_ids") for k, r in on.items()} == {k: r.get("token_ids") for k, r in off.items()}
     assert on_summary["prefix_hit_tokens"] > 0 and on_summary["prefix_hit_percent"] > 0
     assert off_summary["prefix_hit_tokens"] == 0 and off_summary["kv_pages_cached_idle"] == 0
+    assert on_summary["draft_tokens"] == 0 and off_summary["draft_tokens"] > 0 and "# speculation:" in off_stderr
     assert [c["index"] for c in on["samples"]["completions"]] == [0, 1]

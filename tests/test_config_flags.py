@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 from absl import flags
 
-from paxkv.config import EngineConfig, LoadConfig
+from paxkv.config import EngineConfig, LoadConfig, SpeculativeConfig
 from paxkv.entrypoints.config_flags import config_from_flags, define_flags, format_memory_size
 
 
@@ -17,10 +17,19 @@ def _flags(*argv) -> flags.FlagValues:
     return values
 
 
+def _leaf_fields(config_class):
+    """The fields that are flags: a nested config's (EngineConfig.speculative_config) stand for it."""
+    for field in dataclasses.fields(config_class):
+        if field.metadata.get("nested"):
+            yield from _leaf_fields(field.metadata["nested"])
+        else:
+            yield field
+
+
 def test_every_field_is_a_flag_with_its_default_and_help():
     values = _flags()
     for config_class in (EngineConfig, LoadConfig):
-        for field in dataclasses.fields(config_class):
+        for field in _leaf_fields(config_class):
             name = field.metadata.get("flag") or field.name
             assert values[name].help.endswith(field.metadata["help"]), name  # enums prefix their choices
         assert config_from_flags(config_class, values) == config_class()  # the defaults round-trip
@@ -48,6 +57,17 @@ def test_flags_read_back_into_the_configs():
         seed=3,
     )
     assert config_from_flags(LoadConfig, values) == LoadConfig(dtype="bfloat16", attention_impl="xla")
+
+
+def test_speculative_flags_make_the_nested_config():
+    values = _flags("--speculative_method=ngram", "--num_speculative_tokens=3", "--prompt_lookup_max=2")
+    config = config_from_flags(EngineConfig, values)
+    assert config.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=2)
+    assert config_from_flags(EngineConfig, _flags()).speculative_config is None  # method none: no speculation
+    with pytest.raises(ValueError, match="prompt_lookup_min=3 exceeds prompt_lookup_max=2"):
+        config_from_flags(
+            EngineConfig, _flags("--speculative_method=ngram", "--prompt_lookup_min=3", "--prompt_lookup_max=2")
+        )
 
 
 def test_bad_flag_values_name_the_flag_and_the_fix():

@@ -39,7 +39,7 @@ def test_a_batch_becomes_one_step_with_a_replica_axis_and_one_row_per_sequence(p
     assert step_batch.token_counts is None and step_batch.suppress is None  # compiled away
     sampled = runner.run(batch, lambda request_id: 0)
     assert sampled.tokens.shape == (2,)
-    assert runner.step_shapes == {(16, 2, False, False, False)}
+    assert runner.step_shapes == {(16, 2, False, False, False, 0)}  # no draft rows
     # Greedy tokens are the model's own argmax after each prompt.
     for row, length in enumerate([5, 11]):
         logits = loaded.score(list(range(1, length + 1)))

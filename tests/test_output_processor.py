@@ -49,15 +49,17 @@ def _step(scheduler, processor, token_id: int):
     """One step of the request with `token_id` sampled; returns its output."""
     batch = scheduler.schedule()
     new_tokens = {s.request.request_id: token_id for s in batch.sequences if s.completes_prompt}
-    scheduler.update(batch, new_tokens)
+    outcome = scheduler.update(batch, new_tokens)
     sampled = SampledTokens(
         np.asarray([token_id], np.int32),
         np.zeros(1, np.float32),
         np.ones(1, np.int32),
         np.zeros((1, 0), np.int32),
         np.zeros((1, 0), np.float32),
+        np.zeros(1, np.int32),
     )
-    outputs, finished = processor.process(batch, sampled, new_tokens, scheduler)  # it reads batch.sequences
+    taken = {request_id: [0] for request_id in outcome.num_taken}  # candidate 0: the one sampled row
+    outputs, finished = processor.process(batch, sampled, taken, scheduler)  # it reads batch.sequences
     return outputs[0], finished
 
 

@@ -5,8 +5,11 @@ scheduler records the sampled tokens (and decides who stops), and the output pro
 and RequestOutputs.
 """
 
+import dataclasses
 import logging
 import time
+
+import jax
 
 import models
 from paxkv.config import EngineConfig
@@ -24,6 +27,7 @@ from paxkv.scheduling.request_checks import check_request
 from paxkv.scheduling.sampling_params import SamplingParams
 from paxkv.scheduling.scheduler import Scheduler
 from paxkv.scheduling.stopping import NONFINITE_TOKEN
+from paxkv.speculation.drafter import Drafter
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,13 @@ class Engine:
         self.pool = KVPool(model_config, config, loaded.model.compute_dtype, self.mesh)
         pool = self.pool
         self.preemption = PreemptionPolicy(pool.preemption_mode, pool.bytes_per_page, pool.num_host_slots)
+        speculative = config.speculative_config
+        if speculative is not None and speculative.adaptive and jax.process_count() > 1:
+            # Every process must plan the same batches, and step times differ between hosts: use none of them.
+            logger.warning("adaptive speculation decides from local step times; with %d processes it drafts "
+                           "every proposal instead", jax.process_count())  # fmt: skip
+            speculative = dataclasses.replace(speculative, adaptive=False)
+        self.drafter = Drafter(speculative) if speculative is not None else None
         self.scheduler = Scheduler(
             num_replicas=pool.num_replicas,
             pages_per_replica=pool.pages_per_replica,
@@ -63,6 +74,7 @@ class Engine:
             swap_slots=pool.swap_space.slots if pool.swap_space is not None else None,
             preemption=self.preemption,
             watermark_pages=int(config.watermark * (pool.pages_per_replica - 1)),
+            drafter=self.drafter,
         )
         self.runner = ModelRunner(
             loaded, pool, self.preemption, config, max_model_len=self.max_model_len, mesh=self.mesh
@@ -79,9 +91,13 @@ class Engine:
 
     @property
     def max_step_programs(self) -> int:
-        """The most distinct step programs this engine can need: T buckets x S buckets x 8 optional parts."""
+        """The most distinct step programs this engine can need: T buckets x S buckets x 8 optional parts, times
+        the draft-row buckets (and none) when it speculates."""
         config = self.config
-        return num_buckets(config.max_num_batched_tokens) * num_buckets(config.max_num_seqs) * 8
+        programs = num_buckets(config.max_num_batched_tokens) * num_buckets(config.max_num_seqs) * 8
+        if config.speculative_config is not None:
+            programs *= 1 + num_buckets(config.max_num_seqs * config.speculative_config.num_speculative_tokens)
+        return programs
 
     @property
     def num_compilations(self) -> int:
@@ -130,20 +146,27 @@ class Engine:
         self.outputs.adopt(batch.forked)
         self.outputs.scheduled(batch, start)
         pages_in_step = self.scheduler.num_request_pages  # before finished requests free theirs
-        sampled_tokens = self.runner.run(batch, self.outputs.seed_of)
-        tokens = sampled_tokens.tokens
-        new_tokens = {
-            sequence.request.request_id: int(tokens[row])
-            for row, sequence in enumerate(batch.sequences)
+        sampled = self.runner.run(batch, self.outputs.seed_of)
+        # Each sequence's emitted candidates: its one sampled token, or its accepted drafts and one more.
+        emitted = {
+            sequence.request.request_id: sampled.emitted(index)
+            for index, sequence in enumerate(batch.sequences)
             if sequence.completes_prompt
         }
+        new_tokens = {request_id: [int(sampled.tokens[c]) for c in rows] for request_id, rows in emitted.items()}
+        if self.drafter is not None and not self.runner.last_step_compiled:  # the step's cost at its T (per replica)
+            num_tokens = max(replica.num_batched_tokens for replica in batch.replica_batches)
+            self.drafter.budget.observe_step(num_tokens, time.monotonic() - start)
         outcome = self.scheduler.update(batch, new_tokens)
         self.outputs.adopt(outcome.forked)
-        outputs, finished = self.outputs.process(batch, sampled_tokens, new_tokens, self.scheduler)
+        taken = {request_id: emitted[request_id][:count] for request_id, count in outcome.num_taken.items()}
+        outputs, finished = self.outputs.process(batch, sampled, taken, self.scheduler)
         metrics = self.metrics
         metrics.num_finished_requests += len(finished)
         metrics.num_prompt_tokens += sum(len(group.prompt_token_ids) for group in finished)
-        metrics.num_generated_tokens += sum(token != NONFINITE_TOKEN for token in new_tokens.values())
+        metrics.num_generated_tokens += sum(
+            int(sampled.tokens[c]) != NONFINITE_TOKEN for rows in taken.values() for c in rows
+        )
         metrics.num_pages_swapped = self.runner.num_pages_swapped
         metrics.num_compilations = num_step_compilations()
         metrics.observe(self.scheduler)

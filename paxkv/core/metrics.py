@@ -35,6 +35,11 @@ class EngineMetrics:
     prefix_evictions: int = 0
     allocated_slot_steps: int = 0  # sum over steps of allocated token slots
     unfilled_slot_steps: int = 0  # sum over steps of allocated but unfilled token slots
+    num_draft_tokens: int = 0  # speculative drafts verified
+    num_accepted_draft_tokens: int = 0  # of those, accepted
+    num_speculative_rows: int = 0  # sequence-steps that verified at least one draft
+    drafted_by_position: list[int] = dataclasses.field(default_factory=list)  # [j]: drafts at place j of a step
+    accepted_by_position: list[int] = dataclasses.field(default_factory=list)  # [j]: of those, accepted
     busy_seconds: float = 0.0  # wall time inside step() with work to do
     first_step_time: float | None = None
     last_step_time: float | None = None
@@ -48,6 +53,26 @@ class EngineMetrics:
     def prefix_hit_rate(self) -> float:
         """Share of looked-up prompt tokens found in the prefix cache."""
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    @property
+    def num_rejected_draft_tokens(self) -> int:
+        """Verified drafts that were not accepted."""
+        return self.num_draft_tokens - self.num_accepted_draft_tokens
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        """Share of verified speculative drafts accepted."""
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Drafts accepted per sequence-step that verified any (each such step emits this many plus one)."""
+        return self.num_accepted_draft_tokens / self.num_speculative_rows if self.num_speculative_rows else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """[j]: the share of drafts at place j of their step that were accepted."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position, strict=True)]
 
     @property
     def kv_waste_fraction(self) -> float:
@@ -87,6 +112,8 @@ class EngineMetrics:
         self.num_preemptions = scheduler.num_preemptions
         self.num_preemptions_recompute = scheduler.num_preemptions_by_kind["recompute"]
         self.num_preemptions_swap = scheduler.num_preemptions_by_kind["swap"]
+        for name, value in scheduler.speculation_counts.items():
+            setattr(self, name, value)
 
     def record_step(
         self, start: float, num_tokens: int, kv_pages_used: int, allocated: int, filled: int, peak_kv_pages: int = 0
@@ -122,6 +149,10 @@ class EngineMetrics:
             kv_pages_free=self.kv_pages_free,
             prefix_hit_rate=self.prefix_hit_rate,
             kv_waste_fraction=self.kv_waste_fraction,
+            num_rejected_draft_tokens=self.num_rejected_draft_tokens,
+            draft_acceptance_rate=self.draft_acceptance_rate,
+            mean_accepted_length=self.mean_accepted_length,
+            acceptance_by_position=self.acceptance_by_position,
             elapsed_seconds=self.elapsed_seconds,
             generated_tokens_per_s=self.generated_tokens_per_s,
             computed_tokens_per_s=self.computed_tokens_per_s,

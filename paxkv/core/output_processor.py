@@ -127,33 +127,42 @@ class OutputProcessor:
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
 
     def process(
-        self, batch: ScheduledBatch, sampled_tokens, new_tokens: dict[str, int], scheduler: SchedulerInterface
+        self, batch: ScheduledBatch, sampled, taken: dict[str, list[int]], scheduler: SchedulerInterface
     ) -> tuple[list[RequestOutput], list[RequestGroup]]:
         """Stream the step's tokens into text and logprobs, report stop strings to the scheduler, and make the
         outputs of the requests that advanced; return them and the groups that finished.
 
         Args:
           batch: the step's batch.
-          sampled_tokens: the step's sampled tokens (ModelRunner.run's LiveRows), one row per sequence of the batch.
-          new_tokens: request id -> the token appended to it (the sequences that completed their prompt).
+          sampled: the step's sampled tokens (ModelRunner.run's LiveRows), indexed by candidate.
+          taken: request id -> the candidates of the tokens appended to it, in order (the sequences that completed
+            their prompt; more than one where drafts were accepted).
           scheduler: records stop strings (stop_at_string).
         """
         advanced: dict[str, RequestGroup] = {}  # in batch order
         now = time.monotonic()
-        for row, sequence in enumerate(batch.sequences):
+        for sequence in batch.sequences:
             request = sequence.request
-            if request.request_id not in new_tokens:
+            if request.request_id not in taken:
                 continue
             sample = self.samples[request.request_id]
             group = self.groups[request.group_id]
-            if new_tokens[request.request_id] != NONFINITE_TOKEN:  # else it finished with "error", and no token
+            candidates = taken[request.request_id]
+            # The tokens before this step's, so a stop string in the text can cut the tokens after it.
+            num_before = request.num_output_tokens - sum(int(sampled.tokens[c]) != NONFINITE_TOKEN for c in candidates)
+            for position, candidate in enumerate(candidates):
+                token_id = int(sampled.tokens[candidate])
+                if token_id == NONFINITE_TOKEN:  # it finished with "error", and no token
+                    if sample.detokenizer is not None:
+                        sample.text += sample.detokenizer.flush()
+                    break
                 group.metrics.first_token_time = group.metrics.first_token_time or now
                 group.metrics.num_generated_tokens += 1
                 if request.sampling_params.logprobs is not None:
-                    self._append_logprobs(sample, sampled_tokens, row)
-                self._append_text(sample, new_tokens[request.request_id], scheduler)
-            elif sample.detokenizer is not None:
-                sample.text += sample.detokenizer.flush()
+                    self._append_logprobs(sample, sampled, candidate)
+                last = position == len(candidates) - 1
+                if self._append_text(sample, token_id, scheduler, num_before + position + 1, last):
+                    break
             if request.is_finished:
                 del self.samples[request.request_id]
             advanced[group.request_id] = group
@@ -163,19 +172,32 @@ class OutputProcessor:
             del self.groups[group.request_id]
         return [group.output() for group in advanced.values()], finished
 
-    def _append_text(self, sample: SampleState, token_id: int, scheduler: SchedulerInterface) -> None:
-        """Stream the token's text; at the first stop string, cut the text there and tell the scheduler."""
+    def _append_text(
+        self, sample: SampleState, token_id: int, scheduler: SchedulerInterface, num_tokens: int, last: bool
+    ) -> bool:
+        """Stream the token's text; at the first stop string, cut the text there, tell the scheduler (which drops
+        any later tokens of the step), and return True.
+
+        Args:
+          sample: the sample.
+          token_id: its next token.
+          scheduler: records the stop string.
+          num_tokens: the sample's output tokens up to this one.
+          last: whether it is the sample's last token of the step (after which a finished sample's text ends).
+        """
         request = sample.request
-        if sample.detokenizer is None or ended_by_stop_token(request, token_id, self.eos_token_ids):
-            return  # no text without a tokenizer; the token that stopped generation is not part of the text
+        if sample.detokenizer is None or (last and ended_by_stop_token(request, token_id, self.eos_token_ids)):
+            return False  # no text without a tokenizer; the token that stopped generation is not part of the text
         sample.text += sample.detokenizer.step(token_id)
-        if request.is_finished:
+        if last and request.is_finished:
             sample.text += sample.detokenizer.flush()
         found = find_stop_string(sample.text, request.sampling_params.stop)
-        if found is not None:
-            index, stop = found
-            sample.text = sample.text[:index]
-            scheduler.stop_at_string(request, stop)
+        if found is None:
+            return False
+        index, stop = found
+        sample.text = sample.text[:index]
+        scheduler.stop_at_string(request, stop, num_tokens if not last else None)
+        return True
 
     def _append_logprobs(self, sample: SampleState, sampled, row: int) -> None:
         """Record the sampled token's log-probability and the requested top-k at this position."""

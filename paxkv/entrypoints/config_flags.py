@@ -63,6 +63,9 @@ def define_flags(config_class, flag_values: flags.FlagValues = flags.FLAGS) -> N
     """
     hints = typing.get_type_hints(config_class)
     for field in dataclasses.fields(config_class):
+        if field.metadata.get("nested"):
+            define_flags(field.metadata["nested"], flag_values)
+            continue
         name, help_text, kind = _flag_name(field), field.metadata["help"], field.metadata.get("kind")
         base = _base_type(hints[field.name])
         if kind == "negated":
@@ -90,6 +93,9 @@ def config_from_flags(config_class, flag_values: flags.FlagValues = flags.FLAGS)
     """
     values = {}
     for field in dataclasses.fields(config_class):
+        if field.metadata.get("nested"):
+            values[field.name] = config_from_flags(field.metadata["nested"], flag_values)
+            continue
         name, kind = _flag_name(field), field.metadata.get("kind")
         value = flag_values[name].value
         if kind == "negated":

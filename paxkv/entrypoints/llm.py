@@ -32,7 +32,8 @@ class LLM:
           skip_tokenizer_init: load weights only (as vLLM's flag); prompts must then be token-id lists.
           attention_impl: auto | pallas | interpret | cpu_native | xla.
           allow_nonfinite_weights: load weights holding NaN or Inf instead of refusing them.
-          **engine_config: EngineConfig fields (num_pages, max_num_seqs, max_num_batched_tokens, mesh_shape, ...).
+          **engine_config: EngineConfig fields (num_pages, max_num_seqs, max_num_batched_tokens, mesh_shape, ...,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 4} as vLLM names it).
         """
         config = EngineConfig(**engine_config)
         self.loaded = load_on_mesh(

@@ -13,6 +13,7 @@ from absl import app, flags, logging
 
 from paxkv.config import EngineConfig, LoadConfig
 from paxkv.entrypoints.config_flags import config_from_flags, define_flags, parse_memory_size
+from paxkv.entrypoints.run_summary import print_summary, run_summary
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "HF folder, .gguf file or orbax folder; default: the embedded SmolLM2.")
@@ -117,62 +118,6 @@ def _read_prompts_file() -> tuple[str | None, str | None]:
     if not text.strip():
         return None, f"--prompts_file {FLAGS.prompts_file} is empty; give one JSON object per line"
     return text, None
-
-
-def _summary(engine, wall_seconds: float, num_failed: int, compiling) -> dict:
-    """The end-of-run summary as a dict; `compiling` is the CompileTotals of the run's own steps."""
-    metrics = engine.metrics
-    tokens = metrics.num_prompt_tokens + metrics.num_generated_tokens
-    running = max(wall_seconds - compiling.seconds, 0.0)  # the run's time less its compiles and cache loads
-
-    def rate(count: int, seconds: float) -> float:
-        return count / seconds if seconds > 0 else 0.0
-
-    return {
-        "requests": metrics.num_finished_requests,
-        "rejected_requests": num_failed,
-        "prompt_tokens": metrics.num_prompt_tokens,
-        "generated_tokens": metrics.num_generated_tokens,
-        "wall_seconds": wall_seconds,
-        "generated_tokens_per_s": rate(metrics.num_generated_tokens, wall_seconds),
-        "total_tokens_per_s": rate(tokens, wall_seconds),
-        "compile_seconds": compiling.seconds,
-        "programs_compiled": compiling.compiled,
-        "programs_from_cache": compiling.cache_hits,
-        "generated_tokens_per_s_without_compile": rate(metrics.num_generated_tokens, running),
-        "peak_kv_pages_used": metrics.peak_kv_pages_used,
-        "kv_pages_total": metrics.num_total_pages,
-        "kv_waste_percent": 100 * metrics.kv_waste_fraction,
-        "preemptions": metrics.num_preemptions,
-        "preemptions_recompute": metrics.num_preemptions_recompute,
-        "preemptions_swap": metrics.num_preemptions_swap,
-        "kv_bytes_per_token": engine.pool.bytes_per_token,
-        "compilations": metrics.num_compilations,
-        "prefix_query_tokens": metrics.prefix_query_tokens,
-        "prefix_hit_tokens": metrics.prefix_hit_tokens,
-        "prefix_hit_percent": 100 * metrics.prefix_hit_rate,
-        "kv_pages_cached_idle": metrics.kv_pages_cached_idle,
-        "prefix_evictions": metrics.prefix_evictions,
-    }
-
-
-def _print_summary(summary: dict) -> None:
-    print(
-        f"# {summary['requests']} requests finished, {summary['rejected_requests']} rejected; "
-        f"{summary['prompt_tokens']} prompt + {summary['generated_tokens']} generated tokens in "
-        f"{summary['wall_seconds']:.1f} s: {summary['generated_tokens_per_s']:.1f} generated tok/s, "
-        f"{summary['total_tokens_per_s']:.1f} total tok/s\n"
-        f"# compiling: {summary['compile_seconds']:.1f} s of that for {summary['programs_compiled']} programs "
-        f"compiled and {summary['programs_from_cache']} loaded from the compilation cache; "
-        f"{summary['generated_tokens_per_s_without_compile']:.1f} generated tok/s without it\n"
-        f"# KV: peak {summary['peak_kv_pages_used']}/{summary['kv_pages_total']} pages, "
-        f"waste {summary['kv_waste_percent']:.1f}%, {summary['preemptions']} preemptions "
-        f"({summary['preemptions_recompute']} recompute, {summary['preemptions_swap']} swap)\n"
-        f"# prefix cache: {summary['prefix_hit_tokens']}/{summary['prefix_query_tokens']} prompt tokens hit "
-        f"({summary['prefix_hit_percent']:.1f}%), {summary['kv_pages_cached_idle']} idle cached pages, "
-        f"{summary['prefix_evictions']} evictions",
-        file=sys.stderr,
-    )
 
 
 def _print_plan() -> None:
@@ -373,9 +318,9 @@ def _run(stop) -> None:
     for record in records:
         if "error" in record:
             print(f"paxkv: {record['error']}", file=sys.stderr)
-    summary = _summary(engine, wall_seconds, num_failed, compiling)
+    summary = run_summary(engine, wall_seconds, num_failed, compiling)
     summary.update(resumed_requests=len(done), aborted_requests=len(aborted))
-    _print_summary(summary)
+    print_summary(summary)
     if FLAGS.metrics_json:
         report = {"load_seconds": loaded.load_seconds, "summary": summary, "engine": engine.metrics.as_dict()}
         write_atomically(FLAGS.metrics_json, json.dumps(report, indent=2))

@@ -16,6 +16,7 @@ from paxkv.execution.aot import AbstractEngine, check_step_fits, compile_step, d
 from paxkv.execution.kv_pool import KVPool
 from paxkv.execution.step import SampledTokens, StepBatch, copy_pages, engine_step, page_copy_arrays, static_graph
 from paxkv.execution.step_arguments import build_step_batch
+from paxkv.execution.verification import emitted_candidates
 from paxkv.parallel.distributed import host_value
 from paxkv.scheduling.preemption import PreemptionPolicy
 from paxkv.scheduling.scheduled_batch import ScheduledBatch
@@ -24,26 +25,61 @@ logger = logging.getLogger(__name__)
 
 
 class LiveRows:
-    """A step's SampledTokens read on the host, one row per live sequence: each field ([D, S, ...] on the device) is
-    fetched on its first read, in one transfer, and its live rows picked in numpy (no device op per step)."""
+    """A step's SampledTokens read on the host: each field ([D, S + R, ...] on the device) is fetched on its first
+    read, in one transfer, and the candidate rows picked in numpy (no device op per step).
 
-    def __init__(self, sampled: SampledTokens, rows: np.ndarray):
+    The candidates are, for each live sequence in batch order, its usual row and then its draft rows, so a
+    sequence with k drafts owns candidates [offset, offset + 1 + k) (paxkv.execution.verification).
+    """
+
+    def __init__(self, sampled: SampledTokens, batch: ScheduledBatch, num_rows: int, num_draft_rows: int):
         """Wraps the step's output.
 
         Args:
-          sampled: the step's SampledTokens, every leaf [D, S, ...].
-          rows: i64[live rows] flat indices into D x S, replica by replica.
+          sampled: the step's SampledTokens, every leaf [D, S + R, ...] (num_accepted [D, S]).
+          batch: the step's batch.
+          num_rows, num_draft_rows: S and R, the padded row counts of every replica.
         """
-        self._sampled, self._rows, self._fields = sampled, rows, {}
+        self._sampled, self._fields = sampled, {}
+        rows, self._offsets, self._num_drafts, live = [], [], [], []
+        width = num_rows + num_draft_rows
+        for replica, replica_batch in enumerate(batch.replica_batches):
+            draft_row = num_rows
+            for row, sequence in enumerate(replica_batch.sequences):
+                self._offsets.append(len(rows))
+                self._num_drafts.append(sequence.num_draft_tokens)
+                live.append(replica * num_rows + row)
+                rows.append(replica * width + row)
+                rows += [replica * width + draft_row + j for j in range(sequence.num_draft_tokens)]
+                draft_row += sequence.num_draft_tokens
+        self._rows, self._live = np.asarray(rows, dtype=np.int64), np.asarray(live, dtype=np.int64)
+        self._num_accepted = None
 
     def __getattr__(self, name: str) -> np.ndarray:
-        """The field `name` of SampledTokens (tokens, logprobs, ranks, top_ids, top_logprobs) as a host array."""
+        """The field `name` of SampledTokens (tokens, logprobs, ranks, top_ids, top_logprobs), candidates by index."""
         if name.startswith("_"):
             raise AttributeError(name)
         if name not in self._fields:
             value = host_value(getattr(self._sampled, name))
             self._fields[name] = value.reshape(-1, *value.shape[2:])[self._rows]
         return self._fields[name]
+
+    def emitted(self, sequence_index: int) -> list[int]:
+        """The candidates whose tokens the sequence emits, in order: one without drafts, 1 + accepted with them.
+
+        Args:
+          sequence_index: the sequence's place in batch.sequences.
+        """
+        offset, num_drafts = self._offsets[sequence_index], self._num_drafts[sequence_index]
+        if not num_drafts:
+            return [offset]
+        return [offset + c for c in emitted_candidates(num_drafts, self.num_accepted(sequence_index))]
+
+    def num_accepted(self, sequence_index: int) -> int:
+        """How many of the sequence's drafts its samples accepted."""
+        if self._num_accepted is None:
+            self._num_accepted = host_value(self._sampled.num_accepted).reshape(-1)[self._live]
+        return int(self._num_accepted[sequence_index])
 
 
 class ModelRunner:
@@ -71,8 +107,9 @@ class ModelRunner:
         self.loaded, self.pool, self.preemption, self.config, self.mesh = loaded, pool, preemption, config, mesh
         self.pages_per_seq = pages_for(max_model_len, config.page_size)
         self._graph = static_graph(loaded.graphdef)
-        # (T bucket, S bucket, penalties?, suppress?, logprobs?): each distinct one is one step program.
-        self.step_shapes: set[tuple[int, int, bool, bool, bool]] = set()
+        # (T bucket, S bucket, penalties?, suppress?, logprobs?, R draft rows): each one is one step program.
+        self.step_shapes: set[tuple[int, int, bool, bool, bool, int]] = set()
+        self.last_step_compiled = False  # whether the last step's shape was new here (its time includes compiling)
         self.num_pages_swapped = 0
 
     def step_batch(self, batch: ScheduledBatch, seed_of: Callable[[str], int]) -> tuple[StepBatch, bool]:
@@ -93,8 +130,8 @@ class ModelRunner:
         )
 
     def run(self, batch: ScheduledBatch, seed_of: Callable[[str], int]) -> LiveRows:
-        """Move the batch's pages, run the step, and return its sampled tokens, read on the host as they are needed,
-        one row per sequence of batch.sequences (the replicas' live rows in order).
+        """Move the batch's pages, run the step, and return its sampled tokens, read on the host as they are needed
+        (LiveRows: each sequence's candidates, and the ones it emits).
 
         Args:
           batch: a batch the scheduler returned.
@@ -105,8 +142,11 @@ class ModelRunner:
         step_batch, with_logprobs = self.step_batch(batch, seed_of)
         inputs = step_batch.inputs
         num_tokens, num_rows = inputs.tokens.shape[-1], inputs.logits_indices.shape[-1]
+        num_draft_rows = 0 if step_batch.drafts is None else step_batch.drafts.tokens.shape[-1]
         shape = (num_tokens, num_rows, step_batch.token_counts is not None, step_batch.suppress is not None)
-        self.step_shapes.add((*shape, with_logprobs))
+        shape = (*shape, with_logprobs, num_draft_rows)
+        self.last_step_compiled = shape not in self.step_shapes
+        self.step_shapes.add(shape)
         # Under the mesh, a Pallas kernel runs per model shard (models.sharding.attention_on_mesh).
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             sampled, self.pool.kv_caches = engine_step(
@@ -115,11 +155,8 @@ class ModelRunner:
         if batch.num_batched_tokens >= self.config.max_num_batched_tokens // 2:  # mostly prefill: a rate to plan by
             jax.block_until_ready(sampled.tokens)
             self.preemption.observe_prefill(batch.num_batched_tokens, time.monotonic() - start)
-        # [D, S, ...] -> the live rows, replica by replica (the caller fetches only the fields it reads).
-        rows = [
-            replica * num_rows + row for replica, b in enumerate(batch.replica_batches) for row in range(b.num_seqs)
-        ]
-        return LiveRows(sampled, np.asarray(rows, dtype=np.int64))
+        # [D, S + R, ...] -> the live candidates, replica by replica (the caller fetches only the fields it reads).
+        return LiveRows(sampled, batch, num_rows, num_draft_rows)
 
     def move_pages(self, batch: ScheduledBatch) -> None:
         """Before the step: pages out to the host (preemption by swap), back in (resumption), copies on write."""

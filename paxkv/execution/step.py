@@ -1,4 +1,5 @@
-"""The jitted engine step: one ragged forward per data replica over its pages, then sampling of one token per row."""
+"""The jitted engine step: one ragged forward per data replica over its pages, then sampling of one token per row
+(and per draft row, whose samples verify speculative drafts: paxkv.execution.verification)."""
 
 import dataclasses
 import functools
@@ -11,6 +12,7 @@ from jax.sharding import PartitionSpec
 from models.paged_forward import bucket, logits_over_pages
 from paxkv.execution.sampler import SamplingArrays, sample, top_logprobs
 from paxkv.execution.step_inputs import StepInputs
+from paxkv.execution.verification import DraftRows, count_accepted
 from paxkv.scheduling.sampling_params import MAX_LOGPROBS
 from paxkv.scheduling.stopping import NONFINITE_TOKEN
 
@@ -18,13 +20,15 @@ from paxkv.scheduling.stopping import NONFINITE_TOKEN
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SampledTokens:
-    """One sampled token per row and, when asked for, log-probabilities under the raw (temperature 1) distribution."""
+    """One sampled token per row (the S usual rows, then the R draft rows) and, when asked for, log-probabilities
+    under the raw (temperature 1) distribution."""
 
-    tokens: jax.Array  # i32[S]
-    logprobs: jax.Array  # f32[S] log-probability of each sampled token (0 unless asked for)
-    ranks: jax.Array  # i32[S] 1-based rank of each sampled token, 1 = most likely (0 unless asked for)
-    top_ids: jax.Array  # i32[S, k] most likely tokens first, k = min(MAX_LOGPROBS, vocab); [S, 0] unless asked for
-    top_logprobs: jax.Array  # f32[S, k] their log-probabilities; [S, 0] unless asked for
+    tokens: jax.Array  # i32[S + R]
+    logprobs: jax.Array  # f32[S + R] log-probability of each sampled token (0 unless asked for)
+    ranks: jax.Array  # i32[S + R] 1-based rank of each sampled token, 1 = most likely (0 unless asked for)
+    top_ids: jax.Array  # i32[S + R, k] most likely first, k = min(MAX_LOGPROBS, vocab); [S + R, 0] unless asked for
+    top_logprobs: jax.Array  # f32[S + R, k] their log-probabilities; [S + R, 0] unless asked for
+    num_accepted: jax.Array  # i32[S] drafts of each row that its samples accept (0 without drafts)
 
 
 class StaticGraph:
@@ -62,6 +66,7 @@ class StepBatch:
     token_counts: jax.Array | None  # i32[D, S, vocab] generated-token counts, only when a row has penalties
     prompt_mask: jax.Array | None  # bool[D, S, vocab] prompt tokens, only when a row has a repetition penalty
     suppress: jax.Array | None  # bool[D, S, vocab] tokens a row may not produce yet (min_tokens)
+    drafts: DraftRows | None = None  # [D, R, ...] draft rows to verify, only when some row speculates
 
     @property
     def num_replicas(self) -> int:
@@ -121,22 +126,35 @@ def _replicated(x: jax.Array) -> jax.Array:
 
 def _forward_and_sample(graph, state, kv_caches, batch: StepBatch, with_logprobs: bool):
     """The body of engine_step for one replica's batch (leaves [S, ...]), traced once per step program."""
-    inputs = batch.inputs
+    inputs, drafts = batch.inputs, batch.drafts
+    num_seqs = inputs.logits_indices.shape[0]
+    logits_indices, sampling = inputs.logits_indices, batch.sampling
+    vocab_arrays = (batch.token_counts, batch.prompt_mask, batch.suppress)
+    if drafts is not None:  # the draft rows follow the usual ones; a speculating row has no vocabulary arrays
+        logits_indices = jnp.concatenate([logits_indices, drafts.logits_indices])  # i32[S + R]
+        sampling = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), sampling, drafts.sampling)
+        num_draft_rows = drafts.logits_indices.shape[0]
+        vocab_arrays = [
+            None if a is None else jnp.pad(a, ((0, num_draft_rows), (0, 0))) for a in vocab_arrays
+        ]  # [S + R, vocab]
+    token_counts, prompt_mask, suppress = vocab_arrays
     logits, kv_caches = logits_over_pages(
         nnx.merge(graph.graphdef, state),
         inputs.tokens,
         inputs.positions,
         kv_caches,
         inputs.metadata,
-        inputs.logits_indices,
-    )  # f32[S, vocab], split over "model" where the lm_head is
+        logits_indices,
+    )  # f32[S + R, vocab], split over "model" where the lm_head is
     # Sample from whole rows: one all-gather of the logits, not a collective per reduction the sampler makes.
     logits = _replicated(logits)
-    tokens, _ = sample(
-        logits, batch.sampling, batch.token_counts, prompt_mask=batch.prompt_mask, suppress=batch.suppress
-    )
+    tokens, _ = sample(logits, sampling, token_counts, prompt_mask=prompt_mask, suppress=suppress)
     # A row whose logits hold NaN or Inf has no token to sample: report NONFINITE_TOKEN, never argmax's 0.
-    tokens = jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), tokens, NONFINITE_TOKEN)  # i32[S]
+    tokens = jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), tokens, NONFINITE_TOKEN)  # i32[S + R]
+    if drafts is None:
+        num_accepted = jnp.zeros(num_seqs, jnp.int32)
+    else:
+        num_accepted = count_accepted(tokens[num_seqs:], drafts, num_seqs)  # i32[S]
     num_rows = logits.shape[0]
     if with_logprobs:
         raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # f32[S, vocab]
@@ -148,7 +166,7 @@ def _forward_and_sample(graph, state, kv_caches, batch: StepBatch, with_logprobs
     else:
         token_logprobs, ranks = jnp.zeros(num_rows, jnp.float32), jnp.zeros(num_rows, jnp.int32)
         top_ids, top_values = jnp.zeros((num_rows, 0), jnp.int32), jnp.zeros((num_rows, 0), jnp.float32)
-    sampled = SampledTokens(tokens, token_logprobs, ranks, top_ids, top_values)
+    sampled = SampledTokens(tokens, token_logprobs, ranks, top_ids, top_values, num_accepted)
     return sampled, kv_caches
 
 

@@ -5,9 +5,11 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from models.paged_forward import bucket
 from paxkv.execution.sampler import SamplingArrays
 from paxkv.execution.step import StepBatch
 from paxkv.execution.step_inputs import StepInputs, padded_batch_sizes
+from paxkv.execution.verification import DraftRows, num_draft_rows
 from paxkv.scheduling.scheduled_batch import ReplicaBatch, ScheduledBatch
 from paxkv.scheduling.stopping import holds_back_stops, stop_token_ids
 
@@ -38,6 +40,8 @@ def build_step_batch(
     padded_sizes = (max(size[0] for size in sizes), max(size[1] for size in sizes))
     needed = [vocab_arrays_needed(b) for b in batch.replica_batches]
     force = (any(n[0] for n in needed), any(n[1] for n in needed))
+    most_drafts = max(num_draft_rows(b) for b in batch.replica_batches)
+    padded_drafts = bucket(most_drafts) if most_drafts else 0  # R: a power of two, or no draft rows
 
     def replica_batch(replica: ReplicaBatch) -> StepBatch:
         inputs = StepInputs.from_batch(
@@ -55,7 +59,9 @@ def build_step_batch(
             seeds=[seed_of(s.request.request_id) for s in rows],
             batch_size=num_rows,
         )
-        return StepBatch(inputs, sampling, *vocab_arrays(replica, num_rows, vocab_size, eos_token_ids, force))
+        vocab = vocab_arrays(replica, num_rows, vocab_size, eos_token_ids, force)
+        drafts = DraftRows.from_batch(replica, num_rows, padded_drafts, seed_of) if padded_drafts else None
+        return StepBatch(inputs, sampling, *vocab, drafts=drafts)
 
     stacked = jax.tree.map(lambda *leaves: np.stack(leaves), *map(replica_batch, batch.replica_batches))
     with_logprobs = any(s.request.sampling_params.logprobs is not None for s in batch.sequences)

@@ -30,7 +30,7 @@ MIN_PREFILL_TOKENS = 16
 def padded_batch_sizes(batch: ReplicaBatch, max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, int]:
     """(T, S): the token and row buckets a batch pads to."""
     num_tokens = batch.num_batched_tokens
-    if num_tokens > batch.num_seqs:
+    if any(s.num_new_tokens - s.num_draft_tokens > 1 for s in batch.sequences):  # drafts alone are no prefill
         num_tokens = max(num_tokens, MIN_PREFILL_TOKENS)
     return (
         power_of_two_bucket(num_tokens, max_num_batched_tokens),

@@ -51,10 +51,11 @@ class PrefixSharing:
         return False
 
     def cache_full_pages(self, request: Request) -> None:
-        """Offer the trie the request's pages that its computed tokens have filled since last time."""
+        """Offer the trie the request's pages that its computed tokens have filled since last time (tokens a stop
+        dropped, though computed, are not the request's)."""
         if self.prefix_trie is None:
             return
-        num_full_pages = request.num_computed_tokens // self.page_size
+        num_full_pages = min(request.num_computed_tokens, request.num_tokens) // self.page_size
         if num_full_pages > request.num_cached_pages:
             tokens = request.all_token_ids[: num_full_pages * self.page_size]
             self.prefix_trie.insert(tokens, request.block_table[:num_full_pages], request.cache_salt)

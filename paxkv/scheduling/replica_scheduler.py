@@ -3,16 +3,17 @@
 import bisect
 import collections
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from paxkv.scheduling.page_allocator import PageAllocator
 from paxkv.scheduling.page_sharing import PrefixSharing, SampleForks, check_page_invariants
 from paxkv.scheduling.preemption import PreemptionPolicy
 from paxkv.scheduling.prefix_trie import PrefixTrie
 from paxkv.scheduling.request import Request, RequestStatus
-from paxkv.scheduling.request_checks import check_fits_replica
+from paxkv.scheduling.request_checks import check_fits_replica, check_positive_integers
+from paxkv.scheduling.request_pages import RequestPages
 from paxkv.scheduling.scheduled_batch import ReplicaBatch, ScheduledSequence, StepOutcome
-from paxkv.scheduling.stopping import NONFINITE_TOKEN, stop_after_token
+from paxkv.scheduling.stopping import append_tokens
 from paxkv.scheduling.swap_slots import HostSlotAllocator
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class ReplicaScheduler:
         swap_slots: HostSlotAllocator | None = None,
         preemption: PreemptionPolicy | None = None,
         watermark_pages: int = 0,
+        drafter=None,
     ):
         """Creates a scheduler that hands out pages of `allocator`.
 
@@ -54,15 +56,14 @@ class ReplicaScheduler:
           swap_slots: the host pool's free list, or None for no swapping.
           preemption: chooses recompute or swap per victim; None means recompute.
           watermark_pages: pages admission leaves free (while anything runs), against immediate preemption.
+          drafter: proposes speculative drafts for decoding requests (paxkv.speculation.drafter), or None.
         """
-        for name, value in (
-            ("page_size", page_size),
-            ("max_num_seqs", max_num_seqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-            ("max_model_len", max_model_len),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive_integers(
+            page_size=page_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+        )
         self.allocator = allocator
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -79,6 +80,7 @@ class ReplicaScheduler:
         self.swap_slots = swap_slots
         self.preemption = preemption
         self.watermark_pages = watermark_pages
+        self.drafter = drafter
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
         self._slots_to_free: list[int] = []
@@ -92,7 +94,7 @@ class ReplicaScheduler:
         self.forks = SampleForks(allocator, page_size)
         # Samples forked while the current schedule() or update() runs; returned with its result.
         self._forked: list[Request] = []
-        self._page_copies: list[tuple[int, int]] = []
+        self.pages = RequestPages(allocator, self.forks, page_size)
 
     @property
     def num_waiting(self) -> int:
@@ -134,7 +136,7 @@ class ReplicaScheduler:
         token_budget = self.max_num_batched_tokens
         sequences: list[ScheduledSequence] = []
         preempted: list[str] = []
-        self._page_copies, self._swap_out, self._swap_in, self._forked = [], [], [], []
+        self.pages.page_copies, self._swap_out, self._swap_in, self._forked = [], [], [], []
 
         # Running requests, oldest first: each continues its prefill or decodes one token.
         index = 0
@@ -155,7 +157,7 @@ class ReplicaScheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
-            sequences.append(self._grow(request, num_new_tokens))
+            sequences.append(self.pages.grow(request, num_new_tokens))
             token_budget -= num_new_tokens
             index += 1
 
@@ -170,7 +172,7 @@ class ReplicaScheduler:
             if not swapped and self.prefix_sharing.next_page_in_flight(request, self.running):
                 # A running request is computing this request's next page right now: wait a step and share it
                 # from the cache instead of computing a duplicate (FIFO: the requests behind wait too).
-                self._free_pages(request)
+                self.pages.free(request)
                 break
             fork_now = self.forks.ready(request)
             request.fork_pending = request.fork_pending and not fork_now
@@ -178,7 +180,7 @@ class ReplicaScheduler:
             reserve = self.watermark_pages if self.running else 0
             if not self._ensure_pages(request, num_new_tokens, reserve):
                 if not swapped:
-                    self._free_pages(request)  # give back the matched pages; the match is retried next step
+                    self.pages.free(request)  # give back the matched pages; the match is retried next step
                 request.fork_pending = request.fork_pending or fork_now
                 break
             if self.prefix_trie is not None and request.num_preemptions == 0:
@@ -191,63 +193,66 @@ class ReplicaScheduler:
                 self._swap_back_in(request)
             if fork_now:
                 self._fork(request)  # the siblings compute the last prompt token next step
-            sequences.append(self._grow(request, num_new_tokens))
+            sequences.append(self.pages.grow(request, num_new_tokens))
             token_budget -= num_new_tokens
 
+        if self.drafter is not None and token_budget > 0:
+            token_budget -= self._add_drafts(sequences, token_budget)
         num_batched_tokens = self.max_num_batched_tokens - token_budget
         return ReplicaBatch(
             sequences=sequences,
             num_batched_tokens=num_batched_tokens,
             preempted_request_ids=preempted,
-            page_copies=self._page_copies,
+            page_copies=self.pages.page_copies,
             swap_out=self._swap_out,
             swap_in=self._swap_in,
             forked=self._forked,
         )
 
-    def update(self, batch: ReplicaBatch, sampled_tokens: Mapping[str, int]) -> StepOutcome:
+    def update(self, batch: ReplicaBatch, sampled_tokens: Mapping[str, int | Sequence[int]]) -> StepOutcome:
         """Records a finished step: advances each sequence, appends sampled tokens, finishes and frees requests.
 
-        Stop strings need detokenized text: the output processor finds them and stop_at_string records them.
+        A sequence with drafts keeps the KV of the ones accepted; the pages holding only rejected ones go back to
+        the pool now, and the prefix cache is offered only pages of verified tokens. Its tokens are appended one
+        by one, and the first that stops it drops the rest. Stop strings need detokenized text: the output
+        processor finds them and stop_at_string records them.
 
         Args:
           batch: the batch returned by the last schedule().
-          sampled_tokens: request_id to the token sampled after its chunk, for each sequence that completes_prompt.
+          sampled_tokens: request_id to the token sampled after its chunk, for each sequence that completes_prompt;
+            for a sequence with drafts, the accepted drafts followed by the token sampled after them.
         Returns:
-          The requests that finished in this step, in batch order, and the samples forked (they run from the next
-          step on).
+          The requests that finished in this step, in batch order, the samples forked (they run from the next
+          step on), and how many of its tokens each request took.
         """
         # The step has copied the swapped-in pages to the device: their host slots are free again.
         if self._slots_to_free:
             self.swap_slots.free(self._slots_to_free)
             self._slots_to_free = []
-        finished, self._forked = [], []
+        finished, self._forked, num_taken = [], [], {}
         for sequence in batch.sequences:
             request = sequence.request
             if request.status is not RequestStatus.RUNNING:
                 continue  # Aborted (or preempted by a later schedule) since this batch was built.
-            request.num_computed_tokens += sequence.num_new_tokens
+            tokens = sequence.tokens_given(sampled_tokens)
+            num_rejected = sequence.num_draft_tokens - (len(tokens) - 1 if tokens else 0)
+            request.num_computed_tokens += sequence.num_new_tokens - num_rejected
+            if sequence.num_draft_tokens:
+                self.pages.roll_back(request)
+                self.drafter.observe_verified(request, sequence.num_draft_tokens, len(tokens) - 1)
+            finish_reason = None
+            if tokens:  # the sequence completed its prompt
+                num_taken[request.request_id], finish_reason = append_tokens(
+                    request, tokens, self.eos_token_ids, self.max_model_len
+                )
             self.prefix_sharing.cache_full_pages(request)
             if self.forks.ready(request):
                 request.fork_pending = False
                 self._fork(request)
-            if not sequence.completes_prompt:
-                continue
-            if request.request_id not in sampled_tokens:
-                raise ValueError(
-                    f"no sampled token for request {request.request_id!r}, whose chunk completes its prompt; "
-                    "pass one for every sequence with completes_prompt"
-                )
-            token_id = int(sampled_tokens[request.request_id])
-            if token_id != NONFINITE_TOKEN:  # else the request finishes with "error", and no token
-                request.output_token_ids.append(token_id)
-            finish_reason, request.stop_reason = stop_after_token(
-                request, token_id, self.eos_token_ids, self.max_model_len
-            )
             if finish_reason is not None:
                 self.finish(request, finish_reason)
                 finished.append(request)
-        return StepOutcome(finished, self._forked)
+        return StepOutcome(finished, self._forked, num_taken)
 
     def abort(self, request_id: str) -> Request | None:
         """Finishes a waiting or running request with "abort" and frees its pages; unknown or finished ids are ignored.
@@ -276,22 +281,28 @@ class ReplicaScheduler:
             self.waiting.remove(request)
         else:
             raise ValueError(f"request {request.request_id!r} has already finished ({request.finish_reason})")
-        self._free_pages(request)
+        self.pages.free(request)
         if request.swapped_slots:
             self.swap_slots.free(request.swapped_slots)
             request.swapped_slots = []
+        if self.drafter is not None:
+            self.drafter.forget(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = finish_reason
         del self._unfinished[request.request_id]
 
-    def stop_at_string(self, request: Request, stop: str) -> None:
+    def stop_at_string(self, request: Request, stop: str, num_output_tokens: int | None = None) -> None:
         """Records that a stop string ended the request: finishes it with "stop", or, when its last token already
         finished it (by length), makes that the reason.
 
         Args:
           request: a request of this scheduler whose text now contains `stop`.
           stop: the stop string found.
+          num_output_tokens: the tokens up to the one that completed the string, where the step appended more
+            (accepted drafts after it); the later ones are dropped.
         """
+        if num_output_tokens is not None:
+            del request.output_token_ids[num_output_tokens:]
         if not request.is_finished:
             self.finish(request, "stop")
         request.finish_reason, request.stop_reason = "stop", stop
@@ -322,7 +333,7 @@ class ReplicaScheduler:
             request.block_table = []
             request.swapped_slots = slots
         else:
-            self._free_pages(request)
+            self.pages.free(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -332,52 +343,38 @@ class ReplicaScheduler:
         logger.info("preempted request %r by %s (%d computed tokens, %d pages; preemption %d of this request, "
                     "%d in all)", request.request_id, kind, *counts)  # fmt: skip
 
-    def _num_new_pages(self, request: Request, num_new_tokens: int) -> int:
-        """The pages a request lacks to hold its computed tokens plus `num_new_tokens`."""
-        num_pages = Request.num_pages_needed(self.page_size, request.num_computed_tokens + num_new_tokens)
-        return max(num_pages - len(request.block_table), 0)
-
     def _ensure_pages(self, request: Request, num_new_tokens: int, reserve: int = 0) -> bool:
         """Whether the pool has the pages a request lacks for `num_new_tokens` more tokens (and a copy of a shared
         page it writes into) with `reserve` pages to spare, evicting idle cached pages, least recently used
         first, only when the free list alone falls short."""
-        num_pages = self._num_new_pages(request, num_new_tokens)
-        num_pages += self.forks.shared_write_page(request) is not None
+        num_pages = self.pages.num_pages_to_grow(request, num_new_tokens)
         if self.allocator.can_allocate(num_pages + reserve):
             return True
         if self.prefix_trie is not None:
             self.prefix_trie.evict(num_pages + reserve - self.allocator.num_free_pages)
         return self.allocator.can_allocate(num_pages + reserve)
 
-    def _grow(self, request: Request, num_new_tokens: int) -> ScheduledSequence:
-        """Allocates the pages for a request's next `num_new_tokens` tokens and describes them as one sequence."""
-        shared = self.forks.shared_write_page(request)
-        if shared is not None:  # copy on write: the sample takes its own copy of the partial page
-            source = request.block_table[shared]
-            (copy,) = self.allocator.allocate(1)
-            self._page_copies.append((source, copy))
-            request.block_table[shared] = copy
-            self.allocator.free([source])
-        request.block_table.extend(self.allocator.allocate(self._num_new_pages(request, num_new_tokens)))
-        start = request.num_computed_tokens
-        positions = list(range(start, start + num_new_tokens))
-        slots = [request.block_table[p // self.page_size] * self.page_size + p % self.page_size for p in positions]
-        return ScheduledSequence(
-            request=request,
-            token_ids=request.all_token_ids[start : start + num_new_tokens],
-            positions=positions,
-            slots=slots,
-            block_table=list(request.block_table),
-            kv_len=start + num_new_tokens,
-            completes_prompt=start + num_new_tokens == request.num_tokens,
-        )
+    def _add_drafts(self, sequences: list[ScheduledSequence], token_budget: int) -> int:
+        """Give the decoding sequences the drafts the drafter approves, within the token budget and the free pages
+        above the watermark (speculation never preempts or evicts); return how many.
 
-    def _free_pages(self, request: Request) -> None:
-        """Returns a request's pages to the pool and resets its progress through the KV cache."""
-        self.allocator.free(request.block_table)
-        request.block_table = []
-        request.num_computed_tokens = 0
-        request.num_cached_pages = 0
+        Args:
+          sequences: this step's sequences, re-planned in place.
+          token_budget: tokens the step may still take.
+        """
+        num_tokens = self.max_num_batched_tokens - token_budget
+        added = 0
+        for index, drafts in self.drafter.choose(sequences, num_tokens, token_budget, self.max_model_len):
+            request = sequences[index].request
+            count = len(drafts)
+            while count and not self.allocator.can_allocate(
+                self.pages.num_new_pages(request, 1 + count) + self.watermark_pages
+            ):
+                count -= 1
+            if count:
+                sequences[index] = self.pages.grow(request, 1 + count, drafts[:count])
+                added += count
+        return added
 
     def _fork(self, request: Request) -> None:
         """Start samples 1..n-1 of a running request (SampleForks.fork); they are returned with this call's result."""

@@ -95,3 +95,10 @@ def check_fits_replica(request: Request, page_size: int, max_model_len: int, num
             f"request {request.request_id!r} asks for n={num_samples} samples but at most max_num_seqs="
             f"{max_num_seqs} sequences run at once; lower n or raise max_num_seqs"
         )
+
+
+def check_positive_integers(**values) -> None:
+    """Raise ValueError naming the first of `values` that is not a positive integer (bools are not integers here)."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,7 +1,7 @@
 """What one engine step runs: each replica's scheduled sequences, and the page moves to do before it."""
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 from paxkv.scheduling.request import Request
 
@@ -18,11 +18,42 @@ class ScheduledSequence:
     kv_len: int  # tokens in the pages after this step: num_computed_tokens + num_new_tokens
     # Whether this chunk reaches the last known token, so the step samples one token after it (decodes always do).
     completes_prompt: bool
+    # Speculative drafts at the end of token_ids (after the request's last token), verified by this step.
+    num_draft_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:
         """The number of tokens computed for this sequence in this step."""
         return len(self.token_ids)
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        """The drafts this step verifies (the end of token_ids)."""
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens :]
+
+    def tokens_given(self, sampled_tokens: Mapping[str, int | Sequence[int]]) -> list[int]:
+        """The tokens a step gave this sequence (none unless it completes its prompt), checked against its drafts.
+
+        Args:
+          sampled_tokens: request id -> its sampled token, or its accepted drafts followed by one more token.
+        """
+        request_id = self.request.request_id
+        if not self.completes_prompt:
+            return []
+        if request_id not in sampled_tokens:
+            raise ValueError(
+                f"no sampled token for request {request_id!r}, whose chunk completes its prompt; "
+                "pass one for every sequence with completes_prompt"
+            )
+        given = sampled_tokens[request_id]
+        tokens = [int(t) for t in given] if isinstance(given, Sequence) else [int(given)]
+        drafts, num_accepted = self.draft_token_ids, len(tokens) - 1
+        if not 0 <= num_accepted <= self.num_draft_tokens or tokens[:num_accepted] != drafts[:num_accepted]:
+            raise ValueError(
+                f"request {request_id!r} was given tokens {tokens} for drafts {drafts}; give its accepted drafts "
+                "(a prefix of them) and one token after them"
+            )
+        return tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +153,9 @@ class ScheduledBatch:
 
 @dataclasses.dataclass(frozen=True)
 class StepOutcome:
-    """What recording a step's tokens changed: the requests that finished, and the samples forked (n > 1), which
-    run from the next step on."""
+    """What recording a step's tokens changed: the requests that finished, the samples forked (n > 1), which run
+    from the next step on, and how many of its tokens each request took (fewer than given where one stopped it)."""
 
     finished: list[Request]
     forked: list[Request]
+    num_taken: dict[str, int] = dataclasses.field(default_factory=dict)

@@ -12,7 +12,7 @@ else the lowest-numbered. It stays there, preemptions included, so every process
 running this same code on the same requests, makes the same plan.
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from paxkv.scheduling.page_allocator import PageAllocator
@@ -29,10 +29,10 @@ class SchedulerInterface(Protocol):
 
     def add_request(self, request: Request) -> None: ...
     def schedule(self) -> ScheduledBatch: ...
-    def update(self, batch: ScheduledBatch, sampled_tokens: Mapping[str, int]) -> StepOutcome: ...
+    def update(self, batch: ScheduledBatch, sampled_tokens: Mapping[str, int | Sequence[int]]) -> StepOutcome: ...
     def abort(self, request_id: str) -> Request | None: ...
     def finish(self, request: Request, finish_reason: str) -> None: ...
-    def stop_at_string(self, request: Request, stop: str) -> None: ...
+    def stop_at_string(self, request: Request, stop: str, num_output_tokens: int | None = None) -> None: ...
     def has_unfinished_requests(self) -> bool: ...
 
 
@@ -54,6 +54,7 @@ class Scheduler:
         swap_slots: HostSlotAllocator | None = None,
         preemption: PreemptionPolicy | None = None,
         watermark_pages: int = 0,
+        drafter=None,
     ):
         """Creates one allocator, prefix cache and ReplicaScheduler per replica.
 
@@ -68,6 +69,7 @@ class Scheduler:
           swap_slots: the host swap pool's free list (shared by every replica), or None for no swapping.
           preemption: chooses recompute or swap per victim; None means recompute.
           watermark_pages: pages each replica's admission leaves free.
+          drafter: a paxkv.speculation.drafter.Drafter shared by the replicas, or None for no speculation.
         """
         self.pages_per_replica = pages_per_replica
         self.page_size = page_size
@@ -87,10 +89,12 @@ class Scheduler:
                 swap_slots=swap_slots,
                 preemption=preemption,
                 watermark_pages=watermark_pages,
+                drafter=drafter,
             )
             for allocator, trie in zip(self.allocators, self.prefix_tries, strict=True)
         ]
         self._replica_of: dict[str, int] = {}  # unfinished request id (forked samples included) -> replica
+        self.drafter = drafter
 
     @property
     def num_replicas(self) -> int:
@@ -116,6 +120,11 @@ class Scheduler:
     def num_preemptions_by_kind(self) -> dict[str, int]:
         """Preemptions by kind ("recompute", "swap") over all replicas."""
         return {kind: sum(r.num_preemptions_by_kind[kind] for r in self.replicas) for kind in ("recompute", "swap")}
+
+    @property
+    def speculation_counts(self) -> dict:
+        """The drafter's counts over all replicas (Drafter.counts); empty without speculation."""
+        return {} if self.drafter is None else self.drafter.counts()
 
     @property
     def num_prefix_query_tokens(self) -> int:
@@ -208,23 +217,24 @@ class Scheduler:
         self._track(batch.forked)
         return batch
 
-    def update(self, batch: ScheduledBatch, sampled_tokens: Mapping[str, int]) -> StepOutcome:
+    def update(self, batch: ScheduledBatch, sampled_tokens: Mapping[str, int | Sequence[int]]) -> StepOutcome:
         """Records a finished step on every replica: the requests that finished and the samples forked, replica by
-        replica.
+        replica, and how many of its tokens each request took.
 
         Args:
           batch: the batch schedule() returned last.
-          sampled_tokens: request_id -> sampled token, as ReplicaScheduler.update.
+          sampled_tokens: request_id -> its token (or its accepted drafts and one more), as ReplicaScheduler.update.
         """
-        finished, forked = [], []
+        finished, forked, num_taken = [], [], {}
         for replica, replica_batch in zip(self.replicas, batch.replica_batches, strict=True):
             outcome = replica.update(replica_batch, sampled_tokens)
             finished += outcome.finished
             forked += outcome.forked
+            num_taken.update(outcome.num_taken)
         for request in finished:
             self._replica_of.pop(request.request_id, None)
         self._track(forked)
-        return StepOutcome(finished, forked)
+        return StepOutcome(finished, forked, num_taken)
 
     def _track(self, forked: list[Request]) -> None:
         """Samples stay on their parent's replica."""
@@ -245,10 +255,10 @@ class Scheduler:
         self._replica_of.pop(request.request_id, None)
         self.replicas[request.replica].finish(request, finish_reason)
 
-    def stop_at_string(self, request: Request, stop: str) -> None:
+    def stop_at_string(self, request: Request, stop: str, num_output_tokens: int | None = None) -> None:
         """Records that a stop string ended a request, on its replica (see ReplicaScheduler.stop_at_string)."""
         self._replica_of.pop(request.request_id, None)
-        self.replicas[request.replica].stop_at_string(request, stop)
+        self.replicas[request.replica].stop_at_string(request, stop, num_output_tokens)
 
     def check_page_invariants(self) -> None:
         """Checks every replica's page accounting (see PageSharing.check_page_invariants)."""

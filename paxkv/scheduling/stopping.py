@@ -59,6 +59,27 @@ def stop_after_token(
     return None, None
 
 
+def append_tokens(
+    request: Request, tokens: list[int], eos_token_ids: Collection[int], max_model_len: int
+) -> tuple[int, str | None]:
+    """Append a step's tokens to a request one by one until one stops it; return how many it took and the finish
+    reason (None if it goes on). The request's stop_reason is set as stop_after_token says.
+
+    Args:
+      request: the request.
+      tokens: its sampled token, or its accepted drafts and the token after them (NONFINITE_TOKEN is not appended).
+      eos_token_ids: the model's end-of-sequence tokens.
+      max_model_len: the most tokens a request may reach.
+    """
+    for taken, token_id in enumerate(tokens, start=1):
+        if token_id != NONFINITE_TOKEN:  # else the request finishes with "error", and no token
+            request.output_token_ids.append(token_id)
+        finish_reason, request.stop_reason = stop_after_token(request, token_id, eos_token_ids, max_model_len)
+        if finish_reason is not None:
+            return taken, finish_reason
+    return len(tokens), None
+
+
 def ended_by_stop_token(request: Request, token_id: int, eos_token_ids: Collection[int]) -> bool:
     """Whether `token_id`, the request's last, is what stopped it (so it is left out of the text)."""
     params = request.sampling_params

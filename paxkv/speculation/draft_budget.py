@@ -1,0 +1,153 @@
+"""How many drafts to verify per step: expected accepted tokens against the measured cost of a bigger step.
+
+Drafts are extra query tokens of the ragged step, so speculation pays where a step's cost grows slowly with its
+token count (decoding is memory-bound at small batches) and loses where it is compute-bound (large batches).
+The budget measures that cost curve as it runs, per padded token bucket, and how often the draft at each place of
+a step stands (drafts stand or fall together: a copy that goes well goes well for several tokens, so the rate of
+the j-th is measured, not taken as the first's to the j-th power), and per step drafts the tokens that raise the
+expected tokens per second, most likely first, or none.
+"""
+
+import dataclasses
+
+from models.paged_forward import bucket
+
+# A request's acceptance rate starts at the prior, weighted as this many drafts, and moves with its own record.
+PRIOR_WEIGHT = 2.0
+PRIOR_ACCEPTANCE = 0.5
+# Exponential moving average weight of a new step-time sample per token bucket.
+COST_SMOOTHING = 0.3
+
+
+@dataclasses.dataclass
+class DraftStats:
+    """One request's record: drafts verified and accepted."""
+
+    num_drafts: int = 0
+    num_accepted: int = 0
+
+
+class DraftBudget:
+    """Per step, the drafts worth verifying: an online model of step cost per token bucket and of acceptance."""
+
+    def __init__(self, adaptive: bool = True):
+        """Args:
+        adaptive: decide from the measurements; False drafts every proposed token.
+        """
+        self.adaptive = adaptive
+        self.step_seconds: dict[int, float] = {}  # padded token bucket -> smoothed step time
+        self.num_drafts = 0
+        self.num_accepted = 0
+        self.num_verifying_rows = 0  # sequence-steps that verified at least one draft
+        self.drafted_by_position: list[int] = []  # [j]: drafts verified at place j of their step
+        self.accepted_by_position: list[int] = []  # [j]: of those, accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts as a share of verified drafts, over every request (the prior before any)."""
+        return self.num_accepted / self.num_drafts if self.num_drafts else PRIOR_ACCEPTANCE
+
+    def expected_acceptance(self, stats: DraftStats) -> float:
+        """A request's acceptance rate: its own record, shrunk toward the overall rate while it is short."""
+        prior = self.acceptance_rate
+        return (stats.num_accepted + PRIOR_WEIGHT * prior) / (stats.num_drafts + PRIOR_WEIGHT)
+
+    def draft_gains(self, stats: DraftStats, num_drafts: int) -> list[float]:
+        """[j]: the expected tokens the j-th of a request's drafts adds, the chance that it and all before it stand:
+        measured per place over every request (shrunk toward PRIOR_ACCEPTANCE^(j+1) while the record is short),
+        scaled by how this request's rate compares with the overall one, and never rising with j."""
+        overall = self.acceptance_rate
+        scale = self.expected_acceptance(stats) / overall if overall > 0 else 1.0
+        gains, previous = [], 1.0
+        for j in range(num_drafts):
+            drafted = self.drafted_by_position[j] if j < len(self.drafted_by_position) else 0
+            accepted = self.accepted_by_position[j] if j < len(self.accepted_by_position) else 0
+            standing = (accepted + PRIOR_WEIGHT * PRIOR_ACCEPTANCE ** (j + 1)) / (drafted + PRIOR_WEIGHT)
+            previous = min(previous, standing * scale, 1.0)
+            gains.append(previous)
+        return gains
+
+    def observe_verified(self, stats: DraftStats, num_drafts: int, num_accepted: int) -> None:
+        """Record that a request's step verified `num_drafts` drafts and accepted `num_accepted`."""
+        stats.num_drafts += num_drafts
+        stats.num_accepted += num_accepted
+        self.num_drafts += num_drafts
+        self.num_accepted += num_accepted
+        self.num_verifying_rows += 1
+        for counts, upto in ((self.drafted_by_position, num_drafts), (self.accepted_by_position, num_accepted)):
+            counts.extend([0] * (num_drafts - len(counts)))
+            for j in range(upto):
+                counts[j] += 1
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """Record a step's wall time, keyed by its token count's bucket (steps that compiled should not be given)."""
+        key = bucket(num_tokens)
+        known = self.step_seconds.get(key)
+        self.step_seconds[key] = seconds if known is None else known + COST_SMOOTHING * (seconds - known)
+
+    def step_cost(self, num_tokens: int) -> float | None:
+        """The expected time of a step of `num_tokens` tokens, from the measured buckets: its own; else on the line
+        between the measured buckets around it; the bucket just above the largest measured one costs the same as
+        that one (optimistic: it is tried once, and then known), and any bucket beyond is None (not tried before
+        the one below it is known). 0 where nothing is measured yet.
+
+        Step costs are not linear in the tokens (on CPU a one-row matmul is a matrix-vector product and two rows
+        are not), so the curve is measured rather than extrapolated, one bucket at a time: learning costs one
+        bigger step, and one compilation, per bucket.
+        """
+        key = bucket(num_tokens)
+        known = self.step_seconds
+        if key in known:
+            return known[key]
+        if not known:
+            return 0.0
+        below = [k for k in known if k < key]
+        above = [k for k in known if k > key]
+        if below and above:
+            low, high = max(below), min(above)
+            return known[low] + (known[high] - known[low]) * (key - low) / (high - low)
+        if not below:  # smaller than every measured bucket: at most the smallest one's cost
+            return known[min(above)]
+        return known[max(below)] if key == 2 * max(below) else None
+
+    def allot(self, num_tokens: int, num_emitting: int, candidates: list[list[float]], room: int) -> list[int]:
+        """How many drafts each candidate verifies this step.
+
+        Drafts are taken in order of their expected gain (draft_gains), and the count chosen maximizes (emitted
+        tokens) / (step cost) over the token buckets it spans.
+
+        Args:
+          num_tokens: tokens the step runs before any drafts.
+          num_emitting: rows that emit a token this step without drafts.
+          candidates: per decoding row, the gain of each draft it proposes (non-increasing).
+          room: the most drafts the token budget allows.
+        """
+        if not self.adaptive:
+            counts, left = [], room
+            for row_gains in candidates:
+                counts.append(min(len(row_gains), left))
+                left -= counts[-1]
+            return counts
+        gains = sorted(((gain, row) for row, row_gains in enumerate(candidates) for gain in row_gains), reverse=True)[
+            :room
+        ]
+        best_count, expected = 0, float(num_emitting)
+        base_cost = self.step_cost(num_tokens)
+        best_rate = expected / base_cost if base_cost else None
+        for count, (gain, _) in enumerate(gains, start=1):
+            expected += gain
+            next_is_same_bucket = count < len(gains) and bucket(num_tokens + count + 1) == bucket(num_tokens + count)
+            if next_is_same_bucket:
+                continue  # within a bucket the cost is flat: only its last count can be the best
+            cost = self.step_cost(num_tokens + count)
+            if cost is None:
+                break  # a bucket beyond the next unmeasured one: not yet
+            if best_rate is None or cost <= 0:  # nothing measured yet: try it, and learn
+                best_count, best_rate = count, None
+                continue
+            if expected / cost > best_rate:
+                best_count, best_rate = count, expected / cost
+        counts = [0] * len(candidates)
+        for _, row in gains[:best_count]:
+            counts[row] += 1
+        return counts

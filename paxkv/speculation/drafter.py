@@ -1,0 +1,101 @@
+"""Drafter: the scheduler's speculation collaborator: proposes each decoding request's drafts and, with the
+DraftBudget, decides how many of them the step verifies."""
+
+from paxkv.config import SpeculativeConfig
+from paxkv.scheduling.request import Request
+from paxkv.scheduling.scheduled_batch import ScheduledSequence
+from paxkv.scheduling.stopping import holds_back_stops
+from paxkv.speculation.draft_budget import DraftBudget, DraftStats
+from paxkv.speculation.ngram_proposer import NgramIndex
+
+
+def can_speculate(request: Request) -> bool:
+    """Whether a request's next tokens may be drafted: sampling that depends on the tokens before it within the
+    step (penalties counting them, min_tokens holding stop tokens back) is verified one token at a time."""
+    params = request.sampling_params
+    penalties = params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
+    return not penalties and not holds_back_stops(request)
+
+
+class Drafter:
+    """Prompt-lookup drafts for the decoding requests of one engine (every replica), and their record."""
+
+    def __init__(self, config: SpeculativeConfig):
+        """Args:
+        config: the method, draft length and n-gram sizes.
+        """
+        self.config = config
+        self.budget = DraftBudget(adaptive=config.adaptive)
+        self._indexes: dict[str, NgramIndex] = {}
+        self._stats: dict[str, DraftStats] = {}
+
+    def propose(self, request: Request, max_drafts: int) -> list[int]:
+        """Up to `max_drafts` (and num_speculative_tokens) drafts for a decoding request; none where it may not
+        speculate or nothing recurs.
+
+        Args:
+          request: a running request with one uncomputed token.
+          max_drafts: what its length limits (max_tokens, max_model_len) leave room for.
+        """
+        config = self.config
+        num_drafts = min(config.num_speculative_tokens, max_drafts)
+        if num_drafts <= 0 or not can_speculate(request):
+            return []
+        index = self._indexes.get(request.request_id)
+        if index is None:
+            index = self._indexes[request.request_id] = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
+        return index.propose(request.prompt_token_ids, request.output_token_ids, num_drafts)
+
+    def choose(
+        self, sequences: list[ScheduledSequence], num_tokens: int, token_budget: int, max_model_len: int
+    ) -> list[tuple[int, list[int]]]:
+        """The drafts worth verifying this step: (index into sequences, drafts) for decoding sequences, as the
+        budget approves them against the measured step costs and acceptance rates.
+
+        Args:
+          sequences: the step's sequences so far.
+          num_tokens: the tokens they run.
+          token_budget: tokens the step may still take.
+          max_model_len: the most tokens a request may reach.
+        """
+        rows, proposals = [], []
+        for index, sequence in enumerate(sequences):
+            request = sequence.request
+            if sequence.num_new_tokens != 1 or not sequence.completes_prompt:
+                continue  # prefill chunks verify nothing
+            params = request.sampling_params
+            room = min(params.max_tokens - request.num_output_tokens, max_model_len - request.num_tokens)
+            drafts = self.propose(request, room - 1)  # the step emits up to len(drafts) + 1 tokens
+            if drafts:
+                rows.append(index)
+                proposals.append(drafts)
+        if not rows:
+            return []
+        candidates = [
+            self.budget.draft_gains(self._stats.get(sequences[i].request.request_id, DraftStats()), len(d))
+            for i, d in zip(rows, proposals, strict=True)
+        ]
+        num_emitting = sum(sequence.completes_prompt for sequence in sequences)
+        counts = self.budget.allot(num_tokens, num_emitting, candidates, token_budget)
+        return [(i, d[:c]) for i, d, c in zip(rows, proposals, counts, strict=True) if c]
+
+    def observe_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Record a step's verdict on a request's drafts."""
+        stats = self._stats.setdefault(request.request_id, DraftStats())
+        self.budget.observe_verified(stats, num_drafts, num_accepted)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's index and record."""
+        self._indexes.pop(request_id, None)
+        self._stats.pop(request_id, None)
+
+    def counts(self) -> dict:
+        """What the metrics report: drafts verified and accepted, rows that verified any, and both per position."""
+        budget = self.budget
+        return dict(
+            num_draft_tokens=budget.num_drafts,
+            num_accepted_draft_tokens=budget.num_accepted,
+            num_speculative_rows=budget.num_verifying_rows,
+            drafted_by_position=list(budget.drafted_by_position),
+            accepted_by_position=list(budget.accepted_by_position),
+        )

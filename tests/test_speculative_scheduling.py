@@ -1,0 +1,203 @@
+"""Speculative steps at the scheduler, with stand-in drafters and a fake model: rollback, the prefix cache, stops
+inside accepted drafts, and 10k random operations with every page accounted for."""
+
+import numpy as np
+import pytest
+
+from paxkv.scheduling.page_allocator import PageAllocator
+from paxkv.scheduling.prefix_trie import PrefixTrie
+from paxkv.scheduling.replica_scheduler import ReplicaScheduler
+from paxkv.scheduling.request import Request
+from paxkv.scheduling.sampling_params import SamplingParams
+
+
+class FixedDrafter:
+    """Proposes the same drafts for every decoding sequence, and records the verdicts (a stand-in for Drafter)."""
+
+    def __init__(self, drafts):
+        self.drafts, self.verdicts = drafts, []
+
+    def choose(self, sequences, num_tokens, token_budget, max_model_len):
+        return [(i, list(self.drafts)) for i, s in enumerate(sequences) if s.num_new_tokens == 1 and s.completes_prompt]
+
+    def observe_verified(self, request, num_drafts, num_accepted):
+        self.verdicts.append((num_drafts, num_accepted))
+
+    def forget(self, request_id):
+        pass
+
+
+def _speculating_scheduler(drafts):
+    allocator = PageAllocator(16)
+    trie = PrefixTrie(allocator, 4)
+    scheduler = ReplicaScheduler(
+        allocator,
+        page_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=64,
+        eos_token_ids=[0],
+        prefix_trie=trie,
+        drafter=FixedDrafter(drafts),
+    )
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=20))
+    scheduler.add_request(request)
+    batch = scheduler.schedule()
+    scheduler.update(batch, {"r": 4})  # prompt done, first output token 4
+    return scheduler, allocator, trie, request
+
+
+def test_rejected_drafts_give_their_pages_back_and_never_reach_the_prefix_cache():
+    scheduler, allocator, trie, request = _speculating_scheduler([5, 6, 7, 8, 9, 10])
+    free_before = allocator.num_free_pages
+    batch = scheduler.schedule()
+    (sequence,) = batch.sequences
+    assert sequence.token_ids == [4, 5, 6, 7, 8, 9, 10] and sequence.num_draft_tokens == 6
+    assert allocator.num_free_pages == free_before - 2  # positions 4..9 need two more pages
+    outcome = scheduler.update(batch, {"r": [5, 11]})  # draft 5 stands, 6 does not: 11 comes instead
+    assert request.output_token_ids == [4, 5, 11] and outcome.num_taken == {"r": 2}
+    assert request.num_computed_tokens == 5 and len(request.block_table) == 2  # the page of 6..9 went back
+    assert allocator.num_free_pages == free_before - 1
+    assert trie.num_cached_pages == 1  # only [1, 2, 3, 4]: the second page holds one verified token
+    assert scheduler.drafter.verdicts == [(6, 1)]
+    scheduler.check_page_invariants()
+    with pytest.raises(ValueError, match="give its accepted drafts"):
+        scheduler.update(scheduler.schedule(), {"r": [9, 9]})  # 9 was never drafted there
+
+
+def test_a_stop_among_accepted_drafts_drops_the_tokens_after_it():
+    scheduler, allocator, trie, request = _speculating_scheduler([5, 0, 7])
+    batch = scheduler.schedule()
+    outcome = scheduler.update(batch, {"r": [5, 0, 7, 8]})  # every draft stands, but 0 is EOS
+    assert request.output_token_ids == [4, 5, 0] and request.finish_reason == "stop"
+    assert outcome.num_taken == {"r": 2} and outcome.finished == [request]  # 5 and the EOS
+    assert trie.num_cached_pages == 1 and allocator.num_free_pages == allocator.num_total_pages - 1
+    scheduler.check_page_invariants()
+
+
+class RandomDrafter:
+    """Drafts up to k tokens for every decoding sequence, each the fake model's own next token with probability
+    `hit`, so acceptance is random; a stand-in for Drafter in the scheduler's state machine."""
+
+    def __init__(self, rng, k: int, hit: float):
+        self.rng, self.k, self.hit = rng, k, hit
+        self.num_drafts = self.num_accepted = 0
+
+    def choose(self, sequences, num_tokens, token_budget, max_model_len):
+        from test_replica_scheduler import fake_token
+
+        chosen = []
+        for index, sequence in enumerate(sequences):
+            request = sequence.request
+            room = min(
+                request.sampling_params.max_tokens - request.num_output_tokens, max_model_len - request.num_tokens
+            )
+            count = min(int(self.rng.integers(0, self.k + 1)), room - 1, token_budget)
+            if sequence.num_new_tokens != 1 or not sequence.completes_prompt or count <= 0:
+                continue
+            drafts = [
+                fake_token(request.request_id, request.num_tokens + j) if self.rng.random() < self.hit else 1000 + j
+                for j in range(count)
+            ]
+            chosen.append((index, drafts))
+            token_budget -= count
+        return chosen
+
+    def observe_verified(self, request, num_drafts, num_accepted):
+        self.num_drafts += num_drafts
+        self.num_accepted += num_accepted
+
+    def forget(self, request_id):
+        pass
+
+
+def _fake_speculative_step(batch, page_size: int, kv: dict) -> dict:
+    """The fake model of test_replica_scheduler with drafts: the token at position p is fake_token(id, p); a draft
+    stands while it equals that token. Checks every read through the block tables, drafts' slots included (a slot
+    holds (position, token): a prefix-cache page shared by two requests holds the same tokens for both)."""
+    from test_replica_scheduler import fake_token
+
+    for sequence in batch.sequences:
+        for slot, position, token_id in zip(sequence.slots, sequence.positions, sequence.token_ids, strict=True):
+            kv[slot] = (position, token_id)
+    given = {}
+    for sequence in batch.sequences:
+        request = sequence.request
+        known, first = request.all_token_ids, sequence.kv_len - sequence.num_new_tokens
+        for position in range(sequence.kv_len):
+            slot = sequence.block_table[position // page_size] * page_size + position % page_size
+            token_id = known[position] if position < len(known) else sequence.token_ids[position - first]
+            assert kv[slot] == (position, token_id), request.request_id
+        if not sequence.completes_prompt:
+            continue
+        tokens = []
+        for j, draft in enumerate(sequence.draft_token_ids):
+            tokens.append(fake_token(request.request_id, request.num_tokens + j))
+            if tokens[-1] != draft:
+                break
+        else:
+            tokens.append(fake_token(request.request_id, sequence.kv_len))
+        given[request.request_id] = tokens
+    return given
+
+
+def test_random_speculative_steps_keep_every_page_accounted_for_and_the_output_exact():
+    """10k scheduler operations (arrivals, aborts, speculative steps with random acceptance) on a tight pool with
+    prefix caching: after every step each page's ref count equals its holders, and at the end no page leaks and
+    every request's output is the one plain decoding gives."""
+    from test_replica_scheduler import EOS, check_state, fake_token
+
+    rng = np.random.default_rng(0)
+    page_size, max_model_len = 4, 48
+    allocator = PageAllocator(40)
+    scheduler = ReplicaScheduler(
+        allocator,
+        page_size=page_size,
+        max_num_seqs=6,
+        max_num_batched_tokens=24,
+        max_model_len=max_model_len,
+        eos_token_ids=[EOS],
+        prefix_trie=PrefixTrie(allocator, page_size),
+        drafter=RandomDrafter(rng, k=5, hit=0.6),
+    )
+    requests, kv, operations = [], {}, 0
+    while operations < 10_000:
+        if rng.random() < 0.4:
+            prompt = [2 + int(t) for t in rng.integers(0, 6, int(rng.integers(1, 20)))]  # shared prefixes are common
+            params = SamplingParams(max_tokens=int(rng.integers(1, 24)), stop_token_ids=[1])
+            requests.append(Request(f"r{len(requests)}", prompt, params))
+            scheduler.add_request(requests[-1])
+            operations += 1
+        if requests and rng.random() < 0.03:
+            scheduler.abort(requests[int(rng.integers(len(requests)))].request_id)
+            operations += 1
+        if scheduler.has_unfinished_requests():
+            batch = scheduler.schedule()
+            scheduler.update(batch, _fake_speculative_step(batch, page_size, kv))
+            check_state(scheduler)
+            operations += 2
+    while scheduler.has_unfinished_requests():
+        batch = scheduler.schedule()
+        scheduler.update(batch, _fake_speculative_step(batch, page_size, kv))
+        check_state(scheduler)
+    assert len(requests) > 1000 and scheduler.prefix_trie.num_cached_pages > 0
+    scheduler.prefix_trie.evict(allocator.num_total_pages)
+    assert allocator.num_free_pages == allocator.num_total_pages  # nothing leaked
+    drafter = scheduler.drafter
+    assert 0 < drafter.num_accepted < drafter.num_drafts
+    for request in requests:
+        if request.finish_reason == "abort":
+            continue
+        expected = []
+        while True:
+            expected.append(fake_token(request.request_id, request.num_prompt_tokens + len(expected)))
+            if expected[-1] in (EOS, 1):
+                reason = "stop"
+                break
+            if (
+                len(expected) >= request.sampling_params.max_tokens
+                or request.num_prompt_tokens + len(expected) >= max_model_len
+            ):
+                reason = "length"
+                break
+        assert (request.output_token_ids, request.finish_reason) == (expected, reason), request.request_id
