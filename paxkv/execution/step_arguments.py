@@ -72,7 +72,7 @@ def vocab_arrays_needed(batch: ReplicaBatch) -> tuple[bool, bool]:
     """Whether some row of `batch` has a penalty (token_counts, prompt_mask) and holds back stop tokens (suppress)."""
     rows = batch.sequences
     params = [s.request.sampling_params for s in rows]
-    penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params)
+    penalties = any(p.has_penalties for p in params)
     suppress = any(holds_back_stops(s.request) for s in rows)
     return penalties, suppress
 

@@ -152,6 +152,11 @@ class SamplingParams:
         return tuple(stop_token_ids)
 
     @property
+    def has_penalties(self) -> bool:
+        """Whether a presence, frequency or repetition penalty applies (sampling then depends on earlier tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
     def greedy(self) -> bool:
         """Whether this request decodes greedily (temperature 0, or below GREEDY_TEMPERATURE_EPS)."""
         return self.temperature < GREEDY_TEMPERATURE_EPS

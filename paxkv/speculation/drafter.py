@@ -12,9 +12,7 @@ from paxkv.speculation.ngram_proposer import NgramIndex
 def can_speculate(request: Request) -> bool:
     """Whether a request's next tokens may be drafted: sampling that depends on the tokens before it within the
     step (penalties counting them, min_tokens holding stop tokens back) is verified one token at a time."""
-    params = request.sampling_params
-    penalties = params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
-    return not penalties and not holds_back_stops(request)
+    return not request.sampling_params.has_penalties and not holds_back_stops(request)
 
 
 class Drafter:
