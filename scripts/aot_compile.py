@@ -5,7 +5,7 @@
     python scripts/aot_compile.py --target tpu-v5e --kernels ci|covering|full [--jobs 2]
     python scripts/aot_compile.py --target gpu-sm90 --kernels ci|covering|full
 
---model compiles engine_step (forward, KV write and sampling: the function Engine runs) with libtpu's
+--model compiles the engine step (its forward, with the KV write, and its sampling: what Engine runs) with libtpu's
 compiler for every (T, S) bucket the budgets allow (--buckets largest for the largest one alone), from
 shapes alone, and prints a table per program: compile status and seconds, argument, output and temp bytes
 per chip against the chip's HBM, and XLA's flop and byte counts. A program that does not fit says so.
@@ -308,7 +308,7 @@ def model_config(name: str):
 
 
 def run_step_programs(args, tpu: deviceless.Target) -> tuple[list[dict], dict]:
-    """Compile engine_step for the model on the target's mesh; rows per (T, S) program, and the setup."""
+    """Compile the engine step (forward and sampling) on the target's mesh; a row per (T, S) bucket, and the setup."""
     from paxkv.entrypoints.config_flags import parse_memory_size
     from paxkv.execution import aot
     from paxkv.parallel.mesh import make_mesh, parse_mesh_shape

@@ -67,7 +67,7 @@ def _device_split(engine, loaded) -> dict:
     import models.layers
     from pallas_kernels import write_kv
     from paxkv.execution.sampler import sample
-    from paxkv.execution.step import engine_step, static_graph
+    from paxkv.execution.step import run_step, static_graph
 
     # The batch is only read here (never run through Engine.step), so the scheduler needs no update.
     batch = engine.scheduler.schedule()
@@ -90,7 +90,7 @@ def _device_split(engine, loaded) -> dict:
 
         def step():
             nonlocal caches
-            out, caches = engine_step(static_graph(loaded.graphdef), loaded.state, caches, step_batch, with_logprobs)
+            out, caches = run_step(static_graph(loaded.graphdef), loaded.state, caches, step_batch, with_logprobs)
             return out
 
         return time_call(step)
@@ -184,8 +184,8 @@ def main(argv):
     engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)
     StepInputs.from_batch = timer.wrap("step_inputs", StepInputs.from_batch)
     SamplingArrays.from_params = timer.wrap("sampling_arrays", SamplingArrays.from_params)
-    original_step = paxkv.execution.model_runner.engine_step
-    paxkv.execution.model_runner.engine_step = timer.wrap("device", original_step, block=True)
+    original_step = paxkv.execution.model_runner.run_step
+    paxkv.execution.model_runner.run_step = timer.wrap("device", original_step, block=True)
     totals = []
     try:
         for _ in range(FLAGS.steps):
@@ -193,7 +193,7 @@ def main(argv):
             engine.step()
             totals.append(time.perf_counter() - start)
     finally:
-        paxkv.execution.model_runner.engine_step = original_step
+        paxkv.execution.model_runner.run_step = original_step
         StepInputs.from_batch = original_from_batch
         SamplingArrays.from_params = original_from_params
         del engine.scheduler.schedule

@@ -6,7 +6,7 @@ import re
 import jax
 from jax.sharding import PartitionSpec as P
 
-import paxkv.execution.model_runner as model_runner
+import paxkv.execution.step as step
 
 # Written out here, independently of models/sharding.py: where each parameter's axes go under tensor
 # parallelism (q/k/v/gate/up by output columns, o/down by input rows, embedding and lm_head by vocab);
@@ -33,33 +33,39 @@ def spec_of(array_or_spec) -> tuple:
 
 
 def step_collectives(run, mesh) -> collections.Counter:
-    """Collective ops in the compiled text of engine_step as the model runner last called it in `run()` on `mesh`.
+    """Collective ops in the compiled text of the step's programs (its forward and its sampling, summed) as the model
+    runner last called them in `run()` on `mesh`.
 
     Args:
       run: drives an engine on the mesh.
       mesh: the engine's mesh.
     """
-    captured = []
-    step_name = "engine_step"
-    step = getattr(model_runner, step_name)
+    captured = {}
 
     def abstract(x):
         return (
             jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)) if hasattr(x, "shape") else x
         )
 
-    def spy(graph, *args):
-        captured.append((graph, jax.tree.map(abstract, args)))
-        return step(graph, *args)
+    def spy(name, program):
+        def call(*args):
+            static, rest = (args[:1], args[1:]) if name == "forward_step" else ((), args)
+            captured[name] = (static, jax.tree.map(abstract, rest))
+            return program(*args)
 
-    setattr(model_runner, step_name, spy)
+        return call
+
+    programs = {name: getattr(step, name) for name in ("forward_step", "sample_step")}
+    for name, program in programs.items():
+        setattr(step, name, spy(name, program))
     try:
         run()
     finally:
-        setattr(model_runner, step_name, step)
-    graph, args = captured[-1]
+        for name, program in programs.items():
+            setattr(step, name, program)
+    counts = collections.Counter()
     with jax.set_mesh(mesh):
-        text = step.lower(graph, *args).compile().as_text()
-    return collections.Counter(
-        re.findall(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", text)
-    )
+        for name, (static, args) in captured.items():
+            text = programs[name].lower(*static, *args).compile().as_text()
+            counts.update(re.findall(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", text))
+    return counts

@@ -71,7 +71,7 @@ def test_gpu_kernel_compiles_for_sm90_within_its_limits(tmp_path):
 
 
 def test_engine_step_compiles_for_tpu_and_reports_memory(tmp_path):
-    """engine_step (forward, KV write and sampling) for SmolLM2 (8 of its 30 layers, for time; the script's
+    """The engine step (forward with the KV write, and sampling) for SmolLM2 (8 of its 30 layers, for time; the script's
     tables in BUILD.md compile all of them) on one v5e chip, from shapes alone."""
     result = _aot(
         tmp_path,

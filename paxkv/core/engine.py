@@ -91,10 +91,11 @@ class Engine:
 
     @property
     def max_step_programs(self) -> int:
-        """The most distinct step programs this engine can need: T buckets x S buckets x 8 optional parts, times
-        the draft-row buckets (and none) when it speculates."""
+        """The most distinct step programs this engine can need: a forward per (T bucket, S bucket) and a sampling
+        per (S bucket, 8 optional parts), each times the draft-row buckets (and none) when it speculates."""
         config = self.config
-        programs = num_buckets(config.max_num_batched_tokens) * num_buckets(config.max_num_seqs) * 8
+        num_seq_buckets = num_buckets(config.max_num_seqs)
+        programs = num_buckets(config.max_num_batched_tokens) * num_seq_buckets + num_seq_buckets * 8
         if config.speculative_config is not None:
             programs *= 1 + num_buckets(config.max_num_seqs * config.speculative_config.num_speculative_tokens)
         return programs

@@ -1,14 +1,15 @@
 """The engine's step compiled ahead of time from shapes alone: for TPUs and GPUs this machine lacks
 (scripts/aot_compile.py), and at start, to refuse a step that would not fit in device memory.
 
-Everything here feeds engine_step itself, the function Engine runs: the abstract model comes from
-models' own abstract_model and sharding table, the pool from kv_pool.abstract_pool, and the batch
+Everything here feeds the step Engine runs (execution.step: forward_step, then sample_step): the abstract
+model comes from models' own abstract_model and sharding table, the pool from kv_pool.abstract_pool, and the batch
 arrays from the same host builders Engine uses, so what compiles here is what an engine would run.
 """
 
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 
 import jax
@@ -23,7 +24,7 @@ from models.sharding import restore_target, state_shardings
 from pallas_kernels import pages_for
 from paxkv.execution.kv_pool import abstract_pool, kv_bytes_per_page, kv_storage_dtype
 from paxkv.execution.sampler import SamplingArrays
-from paxkv.execution.step import StepBatch, engine_step, static_graph
+from paxkv.execution.step import StepBatch, forward_step, sample_step, static_graph
 from paxkv.execution.step_inputs import MIN_PREFILL_TOKENS, StepInputs
 from paxkv.parallel.mesh import num_scale_groups
 from paxkv.scheduling.scheduled_batch import ReplicaBatch
@@ -68,6 +69,22 @@ class StepMemory:
         return self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
 
     @classmethod
+    def of_step(cls, forward: "StepMemory", sampling: "StepMemory", logits_bytes: int) -> "StepMemory":
+        """The step's two programs run in turn: the forward (weights, pool and inputs in; the pool, aliased, and the
+        logits out), then the sampling (the logits in). Arguments are both programs' less the logits, which the
+        forward makes; the temporaries are the larger peak: the forward's own, or the logits held through the
+        sampling's."""
+        return cls(
+            argument_bytes=forward.argument_bytes + sampling.argument_bytes - logits_bytes,
+            output_bytes=forward.output_bytes - logits_bytes + sampling.output_bytes,
+            alias_bytes=forward.alias_bytes,
+            temp_bytes=max(
+                forward.temp_bytes + logits_bytes - sampling.output_bytes, logits_bytes + sampling.temp_bytes
+            ),
+            code_bytes=forward.code_bytes + sampling.code_bytes,
+        )
+
+    @classmethod
     def of(cls, compiled: jax.stages.Compiled) -> "StepMemory":
         """The memory analysis of a compiled program."""
         stats = compiled.memory_analysis()
@@ -82,7 +99,7 @@ class StepMemory:
 
 @dataclasses.dataclass(frozen=True)
 class StepProgram:
-    """One compiled step program (a T bucket and an S bucket) and what it costs."""
+    """One step's compiled programs (a T bucket and an S bucket: the forward and the sampling) and what they cost."""
 
     num_tokens: int  # T
     num_seqs: int  # S
@@ -163,7 +180,7 @@ def pages_for_memory(
 def abstract_step_batch(
     engine: AbstractEngine, num_tokens: int, num_seqs: int, *, vocab_arrays: bool = False
 ) -> StepBatch:
-    """engine_step's batch for a (T, S) bucket as ShapeDtypeStructs: [D, ...] leaves, split on "data" when D > 1.
+    """The step's batch for a (T, S) bucket as ShapeDtypeStructs: [D, ...] leaves, split on "data" when D > 1.
 
     The arrays come from the builders Engine uses (StepInputs.from_batch, SamplingArrays.from_params) on an
     empty batch padded to the bucket, so their shapes and dtypes are the engine's.
@@ -202,7 +219,8 @@ def abstract_step_batch(
 def compile_step(
     engine: AbstractEngine, num_tokens: int, num_seqs: int, *, with_logprobs: bool = False, vocab_arrays: bool = False
 ) -> StepProgram:
-    """Compile engine_step for one (T, S) bucket under the engine's mesh; raises what the compiler raises.
+    """Compile the step's forward and sampling for one (T, S) bucket under the engine's mesh; raises what the
+    compiler raises.
 
     Args:
       engine: the abstract (or a real engine's) state.
@@ -213,19 +231,36 @@ def compile_step(
     batch = abstract_step_batch(engine, num_tokens, num_seqs, vocab_arrays=vocab_arrays)
     start = time.perf_counter()
     with jax.set_mesh(engine.mesh) if engine.mesh is not None else contextlib.nullcontext():
-        traced = engine_step.trace(static_graph(engine.graphdef), engine.state, engine.kv_caches, batch, with_logprobs)
-        compiled = traced.lower().compile()
+        graph = static_graph(engine.graphdef)
+        forward = forward_step.trace(graph, engine.state, engine.kv_caches, batch.inputs, None).lower().compile()
+        logits_info = jax.tree.leaves(forward.out_info)[0]
+        logits = jax.ShapeDtypeStruct(logits_info.shape, logits_info.dtype, sharding=forward.output_shardings[0])
+        sampling_batch = dataclasses.replace(batch, inputs=None)
+        sampling = sample_step.trace(logits, sampling_batch, with_logprobs).lower().compile()
     seconds = time.perf_counter() - start
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost or {}
+    logits_bytes = math.prod(logits.shape) * logits.dtype.itemsize // _num_shards(logits.sharding, logits.shape)
+    costs = [_cost(program) for program in (forward, sampling)]
     return StepProgram(
         num_tokens=num_tokens,
         num_seqs=num_seqs,
         compile_seconds=seconds,
-        memory=StepMemory.of(compiled),
-        flops=float(cost.get("flops", 0.0)),
-        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        memory=StepMemory.of_step(StepMemory.of(forward), StepMemory.of(sampling), logits_bytes),
+        flops=sum(float(cost.get("flops", 0.0)) for cost in costs),
+        bytes_accessed=sum(float(cost.get("bytes accessed", 0.0)) for cost in costs),
     )
+
+
+def _cost(compiled: jax.stages.Compiled) -> dict:
+    """XLA's cost analysis of a compiled program (a dict, empty where the backend gives none)."""
+    cost = compiled.cost_analysis()
+    return (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+
+
+def _num_shards(sharding, shape) -> int:
+    """Into how many pieces `sharding` splits an array of `shape` (1 without a sharding)."""
+    if sharding is None:
+        return 1
+    return math.prod(shape) // math.prod(sharding.shard_shape(shape)) if math.prod(shape) else 1
 
 
 def step_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:

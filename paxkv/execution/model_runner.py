@@ -14,7 +14,7 @@ from pallas_kernels import pages_for
 from paxkv.config import EngineConfig
 from paxkv.execution.aot import AbstractEngine, check_step_fits, compile_step, device_memory
 from paxkv.execution.kv_pool import KVPool
-from paxkv.execution.step import SampledTokens, StepBatch, copy_pages, engine_step, page_copy_arrays, static_graph
+from paxkv.execution.step import SampledTokens, StepBatch, copy_pages, page_copy_arrays, run_step, static_graph
 from paxkv.execution.step_arguments import build_step_batch
 from paxkv.execution.verification import emitted_candidates
 from paxkv.parallel.distributed import host_value
@@ -84,7 +84,7 @@ class LiveRows:
 
 class ModelRunner:
     """Runs an engine's steps on its devices: moves pages (swap out and in, copy-on-write), lays the batch out as
-    padded arrays, and calls engine_step over the pool, which it donates and replaces."""
+    padded arrays, and runs the step (execution.step.run_step) over the pool, which it donates and replaces."""
 
     def __init__(
         self,
@@ -107,9 +107,12 @@ class ModelRunner:
         self.loaded, self.pool, self.preemption, self.config, self.mesh = loaded, pool, preemption, config, mesh
         self.pages_per_seq = pages_for(max_model_len, config.page_size)
         self._graph = static_graph(loaded.graphdef)
-        # (T bucket, S bucket, penalties?, suppress?, logprobs?, R draft rows): each one is one step program.
+        # (T bucket, S bucket, penalties?, suppress?, logprobs?, R draft rows): each one a (forward, sampling) pair,
+        # the forward's program keyed by (T, S, R) and the sampling's by (S, R, penalties?, suppress?, logprobs?).
         self.step_shapes: set[tuple[int, int, bool, bool, bool, int]] = set()
-        self.last_step_compiled = False  # whether the last step's shape was new here (its time includes compiling)
+        self._forward_shapes: set[tuple] = set()
+        self._sampling_shapes: set[tuple] = set()
+        self.last_step_compiled = False  # whether the last step's programs were new here (its time includes compiling)
         self.num_pages_swapped = 0
 
     def step_batch(self, batch: ScheduledBatch, seed_of: Callable[[str], int]) -> tuple[StepBatch, bool]:
@@ -145,11 +148,14 @@ class ModelRunner:
         num_draft_rows = 0 if step_batch.drafts is None else step_batch.drafts.tokens.shape[-1]
         shape = (num_tokens, num_rows, step_batch.token_counts is not None, step_batch.suppress is not None)
         shape = (*shape, with_logprobs, num_draft_rows)
-        self.last_step_compiled = shape not in self.step_shapes
+        programs = ((num_tokens, num_rows, num_draft_rows), shape[1:])  # the forward's and the sampling's keys
+        self.last_step_compiled = not (programs[0] in self._forward_shapes and programs[1] in self._sampling_shapes)
         self.step_shapes.add(shape)
+        self._forward_shapes.add(programs[0])
+        self._sampling_shapes.add(programs[1])
         # Under the mesh, a Pallas kernel runs per model shard (models.sharding.attention_on_mesh).
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            sampled, self.pool.kv_caches = engine_step(
+            sampled, self.pool.kv_caches = run_step(
                 self._graph, self.loaded.state, self.pool.kv_caches, step_batch, with_logprobs
             )
         if batch.num_batched_tokens >= self.config.max_num_batched_tokens // 2:  # mostly prefill: a rate to plan by

@@ -1,5 +1,6 @@
-"""The jitted engine step: one ragged forward per data replica over its pages, then sampling of one token per row
-(and per draft row, whose samples verify speculative drafts: paxkv.execution.verification)."""
+"""The jitted engine step, in two programs: one ragged forward per data replica over its pages (forward_step),
+then sampling of one token per row and per draft row, whose samples verify speculative drafts (sample_step;
+paxkv.execution.verification)."""
 
 import dataclasses
 import functools
@@ -61,7 +62,7 @@ def static_graph(graphdef: nnx.GraphDef) -> StaticGraph:
 class StepBatch:
     """Everything one step reads besides the model and the pool; every leaf has a leading replica axis [D, ...]."""
 
-    inputs: StepInputs  # the padded ragged batch of each replica, over its local pages
+    inputs: StepInputs | None  # the padded ragged batch of each replica, over its local pages (None: sampling only)
     sampling: SamplingArrays  # S rows per replica
     token_counts: jax.Array | None  # i32[D, S, vocab] generated-token counts, only when a row has penalties
     prompt_mask: jax.Array | None  # bool[D, S, vocab] prompt tokens, only when a row has a repetition penalty
@@ -71,50 +72,102 @@ class StepBatch:
     @property
     def num_replicas(self) -> int:
         """D."""
-        return self.inputs.tokens.shape[0]
+        return self.sampling.temperature.shape[0]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=2)
-def engine_step(
+def run_step(
+    graph: StaticGraph, state: nnx.State, kv_caches: list, batch: StepBatch, with_logprobs: bool = False
+) -> tuple[SampledTokens, list]:  # every SampledTokens leaf [D, S + R, ...]
+    """One engine step as two programs: forward_step writes K/V and computes the rows' logits, then sample_step
+    samples them.
+
+    The forward compiles once per (T, S, R) shape and the sampling once per (S + R, optional parts), so a new
+    sampling option (logprobs, penalties, min_tokens) costs a small program, not a new forward, and the
+    sampling program is shared by every T bucket and every model with the same vocabulary.
+
+    Args:
+      graph, state: the split model (the graphdef wrapped by static_graph).
+      kv_caches: the page pools, donated to the forward.
+      batch: the replicas' padded batches, sampling arrays and optional vocabulary arrays (None compiles them away).
+      with_logprobs: also return log-probabilities, ranks and the MAX_LOGPROBS most likely tokens (static).
+    """
+    draft_indices = None if batch.drafts is None else batch.drafts.logits_indices
+    logits, kv_caches = forward_step(graph, state, kv_caches, batch.inputs, draft_indices)
+    sampled = sample_step(logits, dataclasses.replace(batch, inputs=None), with_logprobs)
+    return sampled, kv_caches
+
+
+def _per_replica(body, num_replicas: int, replicated_args, per_replica_args):
+    """Run `body(*replicated_args, *per_replica_args)` on each data replica's own slice of the [D, ...] arrays.
+
+    With D > 1 (under jax.set_mesh) shard_map makes "data" manual: each replica sees its own [1, ...] slice, and
+    nothing crosses replicas; "model" stays automatic, so tensor parallelism inside a replica works the same.
+    With D = 1 the body sees the whole [1, ...] arrays: the same program without the shard_map.
+    """
+    if num_replicas == 1:
+        return body(*replicated_args, *per_replica_args)
+    per_replica = PartitionSpec("data")
+    sharded = jax.shard_map(
+        body,
+        in_specs=(*(jax.tree.map(lambda _: PartitionSpec(), a) for a in replicated_args),)
+        + (per_replica,) * len(per_replica_args),
+        out_specs=per_replica,
+        axis_names={"data"},
+        check_vma=False,
+    )
+    return sharded(*replicated_args, *per_replica_args)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def forward_step(
     graph: StaticGraph,
     state: nnx.State,
     kv_caches: list[jax.Array],  # num_layers x [D * N, page_size, 2K * H], pages split on "data" when D > 1
-    batch: StepBatch,
-    with_logprobs: bool = False,
-) -> tuple[SampledTokens, list[jax.Array]]:  # every SampledTokens leaf [D, S, ...]
-    """Write every replica's K/V, compute each row's last-token logits, and sample: one program for D >= 1.
+    inputs: StepInputs,  # [D, ...] leaves
+    draft_indices: jax.Array | None,  # i32[D, R] the tokens whose logits verify each draft row; None without drafts
+) -> tuple[jax.Array, list[jax.Array]]:  # (f32[D, S + R, vocab], kv_caches)
+    """Write every replica's K/V into its pages and return the logits of its rows: one program for D >= 1.
 
-    A plain jax.jit over (graphdef, state) with the pool donated, so updates happen in place. With D > 1
-    (under jax.set_mesh) shard_map makes "data" manual: each replica sees its N local pages and its own
-    batch, and nothing crosses replicas; "model" stays automatic, so tensor parallelism inside a replica
-    works the same (a Pallas kernel nests its own shard_map, models.sharding). With D = 1 the replica axis
-    is dropped and restored around the same body.
+    A plain jax.jit over (graphdef, state) with the pool donated, so updates happen in place. A Pallas kernel
+    nests its own shard_map over "model" (models.sharding).
+    """
+
+    def replica_forward(state, kv_caches, inputs, draft_indices):
+        local = jax.tree.map(lambda leaf: leaf[0], inputs)  # this replica's [T], [S, ...] arrays
+        logits_indices = local.logits_indices  # i32[S]
+        if draft_indices is not None:  # the draft rows follow the usual ones
+            logits_indices = jnp.concatenate([logits_indices, draft_indices[0]])  # i32[S + R]
+        logits, kv_caches = logits_over_pages(
+            nnx.merge(graph.graphdef, state), local.tokens, local.positions, kv_caches, local.metadata, logits_indices
+        )  # f32[S + R, vocab], split over "model" where the lm_head is
+        # Sample from whole rows: one all-gather of the logits, not a collective per reduction the sampler makes.
+        return _replicated(logits)[None], kv_caches
+
+    num_replicas = inputs.tokens.shape[0]
+    return _per_replica(replica_forward, num_replicas, (state,), (kv_caches, inputs, draft_indices))
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def sample_step(
+    logits: jax.Array,  # f32[D, S + R, vocab]
+    batch: StepBatch,  # its sampling arrays, vocabulary arrays and drafts (inputs None)
+    with_logprobs: bool = False,
+) -> SampledTokens:  # every leaf [D, S + R, ...] (num_accepted [D, S])
+    """Sample one token per row of every replica, verify its drafts, and when asked, report log-probabilities.
 
     Args:
-      graph, state: the split model (the graphdef, wrapped by static_graph, is static).
-      kv_caches: the page pools, donated.
-      batch: the replicas' padded batches, sampling arrays and optional vocabulary arrays (None compiles
-        them away).
+      logits: each replica's row logits, as forward_step returns them.
+      batch: the step's batch without its inputs.
       with_logprobs: also return each sampled token's log-probability and rank, and the MAX_LOGPROBS most
         likely tokens of each row (static; zeros and empty arrays otherwise).
     """
 
-    def replica_step(state, kv_caches, batch):
+    def replica_sample(logits, batch):
         local = jax.tree.map(lambda leaf: leaf[0], batch)  # this replica's [S, ...] arrays
-        sampled, kv_caches = _forward_and_sample(graph, state, kv_caches, local, with_logprobs)
-        return jax.tree.map(lambda leaf: leaf[None], sampled), kv_caches
+        sampled = _sample_rows(logits[0], local, with_logprobs)
+        return jax.tree.map(lambda leaf: leaf[None], sampled)
 
-    if batch.num_replicas == 1:
-        return replica_step(state, kv_caches, batch)
-    per_replica = PartitionSpec("data")
-    sharded = jax.shard_map(
-        replica_step,
-        in_specs=(jax.tree.map(lambda _: PartitionSpec(), state), per_replica, per_replica),
-        out_specs=(per_replica, per_replica),
-        axis_names={"data"},
-        check_vma=False,
-    )
-    return sharded(state, kv_caches, batch)
+    return _per_replica(replica_sample, batch.num_replicas, (), (logits, batch))
 
 
 def _replicated(x: jax.Array) -> jax.Array:
@@ -124,30 +177,19 @@ def _replicated(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, PartitionSpec())
 
 
-def _forward_and_sample(graph, state, kv_caches, batch: StepBatch, with_logprobs: bool):
-    """The body of engine_step for one replica's batch (leaves [S, ...]), traced once per step program."""
-    inputs, drafts = batch.inputs, batch.drafts
-    num_seqs = inputs.logits_indices.shape[0]
-    logits_indices, sampling = inputs.logits_indices, batch.sampling
+def _sample_rows(logits: jax.Array, batch: StepBatch, with_logprobs: bool) -> SampledTokens:
+    """The body of sample_step for one replica's rows (logits f32[S + R, vocab], batch leaves [S, ...])."""
+    drafts = batch.drafts
+    num_seqs = batch.sampling.temperature.shape[0]
+    sampling = batch.sampling
     vocab_arrays = (batch.token_counts, batch.prompt_mask, batch.suppress)
     if drafts is not None:  # the draft rows follow the usual ones; a speculating row has no vocabulary arrays
-        logits_indices = jnp.concatenate([logits_indices, drafts.logits_indices])  # i32[S + R]
         sampling = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), sampling, drafts.sampling)
         num_draft_rows = drafts.logits_indices.shape[0]
         vocab_arrays = [
             None if a is None else jnp.pad(a, ((0, num_draft_rows), (0, 0))) for a in vocab_arrays
         ]  # [S + R, vocab]
     token_counts, prompt_mask, suppress = vocab_arrays
-    logits, kv_caches = logits_over_pages(
-        nnx.merge(graph.graphdef, state),
-        inputs.tokens,
-        inputs.positions,
-        kv_caches,
-        inputs.metadata,
-        logits_indices,
-    )  # f32[S + R, vocab], split over "model" where the lm_head is
-    # Sample from whole rows: one all-gather of the logits, not a collective per reduction the sampler makes.
-    logits = _replicated(logits)
     tokens, _ = sample(logits, sampling, token_counts, prompt_mask=prompt_mask, suppress=suppress)
     # A row whose logits hold NaN or Inf has no token to sample: report NONFINITE_TOKEN, never argmax's 0.
     tokens = jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), tokens, NONFINITE_TOKEN)  # i32[S + R]
@@ -166,13 +208,15 @@ def _forward_and_sample(graph, state, kv_caches, batch: StepBatch, with_logprobs
     else:
         token_logprobs, ranks = jnp.zeros(num_rows, jnp.float32), jnp.zeros(num_rows, jnp.int32)
         top_ids, top_values = jnp.zeros((num_rows, 0), jnp.int32), jnp.zeros((num_rows, 0), jnp.float32)
-    sampled = SampledTokens(tokens, token_logprobs, ranks, top_ids, top_values, num_accepted)
-    return sampled, kv_caches
+    return SampledTokens(tokens, token_logprobs, ranks, top_ids, top_values, num_accepted)
+
+
+_STEP_PROGRAMS = (forward_step, sample_step)
 
 
 def num_step_compilations() -> int:
-    """How many distinct step programs this process has compiled."""
-    return engine_step._cache_size()
+    """How many distinct step programs (forwards and samplings) this process has compiled."""
+    return sum(program._cache_size() for program in _STEP_PROGRAMS)
 
 
 @functools.partial(jax.jit, donate_argnums=0)

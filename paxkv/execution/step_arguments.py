@@ -24,7 +24,7 @@ def build_step_batch(
     vocab_size: int,
     eos_token_ids: list[int],
 ) -> tuple[StepBatch, bool]:
-    """engine_step's batch argument (numpy arrays, every leaf [D, ...]) and its logprobs flag, for a batch.
+    """The step's batch argument (numpy arrays, every leaf [D, ...]) and its logprobs flag, for a batch.
 
     All replicas pad to the same T and S buckets, and an optional vocabulary array any replica needs, all get.
 

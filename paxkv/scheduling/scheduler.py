@@ -4,7 +4,7 @@ One replica is the normal case of D. The pool's page axis is split on the mesh's
 split): replica r owns global pages [r * N, (r + 1) * N), which it sees as local pages [0, N) (local page 0
 is its null page). Each replica has its own page allocator, prefix cache and ReplicaScheduler, so block
 tables and slots index within the replica's partition, and the step runs every replica's ragged batch at
-once, each on its own devices (step.engine_step).
+once, each on its own devices (execution.step.run_step).
 
 Routing is decided once, at admission, and is deterministic: a request goes to the replica whose prefix
 cache holds the longest prefix of its prompt (when prefix caching is on), else to the least loaded one,
