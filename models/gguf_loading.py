@@ -54,15 +54,46 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+# The head of the file the metadata is parsed from in memory (a 128k-token vocabulary and its merges take ~10 MiB).
+HEADER_READ_BYTES = 32 << 20
+
+
+def open_gguf(path: str):
+    """A gguf.GGUFReader of `path` whose metadata is parsed from an in-memory copy of the file's head.
+
+    The stock reader slices its memmap once per value, three times per vocabulary string: 250k slices and
+    about 2 s for SmolLM2's 49k-token vocabulary, on every load. Reading the same values from a bytes copy of
+    the head gives the same fields in about a third of the time; values past the head, the tensor data among
+    them, still come from the memmap.
+
+    Args:
+      path: the .gguf file.
+    """
+    import gguf
+
+    class HeadInMemoryReader(gguf.GGUFReader):
+        def __init__(self, path):
+            with open(path, "rb") as f:
+                self._head = f.read(HEADER_READ_BYTES)
+            super().__init__(path)
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            count = int(count)
+            if offset + np.dtype(dtype).itemsize * count > len(self._head):
+                return super()._get(offset, dtype, count, override_order)
+            array = np.frombuffer(self._head, dtype=dtype, count=count, offset=offset)
+            return array.view(array.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    return HeadInMemoryReader(path)
+
+
 class GGUFCheckpoint:
     """A GGUF file opened for loading: metadata, config, and HF-named dequantized tensors."""
 
     def __init__(self, path: str):
-        import gguf
-
         self.path = path
         try:
-            self.reader = gguf.GGUFReader(path)
+            self.reader = open_gguf(path)
         except FileNotFoundError:
             raise CheckpointError(
                 f"GGUF file {path} does not exist; check the path, or pass None for the embedded SmolLM2"

@@ -135,3 +135,26 @@ def test_load_records_time_and_source(loaded):
     assert loaded.source.endswith(EMBEDDED_MODEL_FILE)
     assert loaded.config.model_type == "llama"
     assert loaded.config.tie_word_embeddings
+
+
+def test_reader_gives_the_gguf_packages_own_fields_and_tensors(checkpoint, monkeypatch):
+    """open_gguf parses the metadata from a copy of the file's head: the same fields and tensors as gguf's stock
+    reader, also where most values lie past a (here 4 KiB) head and come from the memmap."""
+    import gguf
+
+    import models.gguf_loading
+
+    stock = gguf.GGUFReader(checkpoint.path)
+    monkeypatch.setattr(models.gguf_loading, "HEADER_READ_BYTES", 4096)
+    for ours in (checkpoint.reader, models.gguf_loading.open_gguf(checkpoint.path)):
+        assert list(ours.fields) == list(stock.fields) and len(stock.fields["tokenizer.ggml.tokens"].data) == 49152
+        for key, field in stock.fields.items():
+            assert ours.fields[key].types == field.types, key
+            assert ours.fields[key].contents() == field.contents(), key
+        assert ours.data_offset == stock.data_offset
+        assert [(t.name, t.tensor_type, t.data_offset) for t in ours.tensors] == [
+            (t.name, t.tensor_type, t.data_offset) for t in stock.tensors
+        ]
+        for mine, theirs in zip(ours.tensors, stock.tensors, strict=True):
+            np.testing.assert_array_equal(mine.shape, theirs.shape)
+            np.testing.assert_array_equal(np.asarray(mine.data), np.asarray(theirs.data), err_msg=mine.name)
