@@ -117,3 +117,27 @@ def word_level_llama(tmp_path_factory, make_tiny_llama):
     backend.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
     return directory
+
+
+# The chat template of add_byte_level_tokenizer's models: "role: content" lines, then "assistant:".
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def add_byte_level_tokenizer(path) -> None:
+    """Give the model folder `path` (vocabulary 256) a byte-level tokenizer (token id = byte) and CHAT_TEMPLATE."""
+    import json
+
+    import tokenizers
+
+    # GPT-2's byte-to-character map, which the ByteLevel pre-tokenizer applies: token id = byte value.
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE({c: b for b, c in chars.items()}, []))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-import tokenizers
+from conftest import add_byte_level_tokenizer
 from flax import nnx
 from subprocess_env import subprocess_env
 
@@ -22,10 +22,6 @@ import models
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "scripts")
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +34,7 @@ def tiny_model_with_tokenizer(tiny_model, tmp_path_factory):
     """The tiny Llama with a byte-level tokenizer (its 256 ids exactly) and a chat template, for scripts needing one."""
     path = tmp_path_factory.mktemp("tiny_with_tokenizer") / "model"
     shutil.copytree(tiny_model, path)
-    # GPT-2's byte-to-character map, which the ByteLevel pre-tokenizer applies: token id = byte value.
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    others = [b for b in range(256) if b not in printable]
-    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
-    backend = tokenizers.Tokenizer(tokenizers.models.BPE({c: b for b, c in chars.items()}, []))
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = tokenizers.decoders.ByteLevel()
-    backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    add_byte_level_tokenizer(path)
     return path
 
 

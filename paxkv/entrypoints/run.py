@@ -1,7 +1,8 @@
-"""The `paxkv` command line: run prompts (flags or a JSONL file) through the paged engine.
+"""The `paxkv` command line: run prompts (flags or a JSONL file) through the paged engine, or serve the OpenAI API.
 
 paxkv --chat --prompt "What is the capital of France?" --max_tokens 24 --temperature 0
 paxkv --prompts_file prompts.jsonl --output results.jsonl --max_num_seqs 64
+paxkv serve --port 8000
 """
 
 import io
@@ -12,6 +13,7 @@ import sys
 from absl import app, flags, logging
 
 from paxkv.config import EngineConfig, LoadConfig
+from paxkv.entrypoints import serve as serve_command  # its flags
 from paxkv.entrypoints.config_flags import config_from_flags, define_flags, parse_memory_size
 from paxkv.entrypoints.run_summary import print_summary, run_summary
 
@@ -150,11 +152,16 @@ def _print_plan() -> None:
 
 
 def main(argv):
-    if len(argv) > 1:
-        _usage_error(f"unexpected arguments {argv[1:]}; prompts go in --prompt or --prompts_file")
     if not FLAGS["verbosity"].present:
         # Quiet by default: library INFO lines (e.g. JAX probing for a TPU) are noise; --verbosity=0 shows them.
         logging.set_verbosity(logging.WARNING)
+    if argv[1:] == ["serve"]:
+        serve_command.serve(_usage_error)
+        return
+    if len(argv) > 1:
+        _usage_error(
+            f"unexpected arguments {argv[1:]}; prompts go in --prompt or --prompts_file, and `paxkv serve` serves"
+        )
     if FLAGS.plan:
         _print_plan()
         return
@@ -342,7 +349,7 @@ def run():
     # which defines none: make this module's flags (and the config fields' ones) the script's own.
     from paxkv.entrypoints import config_flags
 
-    for module in (sys.modules[__name__], config_flags):
+    for module in (sys.modules[__name__], config_flags, serve_command):
         for flag in FLAGS.get_key_flags_for_module(module):
             FLAGS.register_key_flag_for_module(sys.argv[0], flag)
     main_module = sys.modules["__main__"]
