@@ -6,8 +6,10 @@ import pytest
 
 import models
 from paxkv.config import EngineConfig
+from paxkv.execution.aot import step_buckets
 from paxkv.execution.kv_pool import KVPool
 from paxkv.execution.model_runner import ModelRunner
+from paxkv.execution.step import num_step_compilations
 from paxkv.scheduling.preemption import PreemptionPolicy
 from paxkv.scheduling.request import Request
 from paxkv.scheduling.sampling_params import SamplingParams
@@ -59,3 +61,34 @@ class _Moves:
 
     def __init__(self, page_copies=(), swap_out=(), swap_in=()):
         self.page_copies, self.swap_out, self.swap_in = list(page_copies), list(swap_out), list(swap_in)
+
+
+def test_warm_up_compiles_every_plain_bucket_so_steps_compile_nothing(tiny_llama_checkpoint):
+    """warm_up runs each (T, S) bucket once on padding (the null page only): afterwards a mix of prefills and
+    decodes compiles no program, and the pages the warm-up touched are only the null page."""
+    loaded = models.load(tiny_llama_checkpoint(), require_tokenizer=False)
+    config = EngineConfig(page_size=8, num_pages=32, max_num_seqs=4, max_num_batched_tokens=32)
+    pool = KVPool(loaded.config, config, jnp.float32, None)
+    runner = ModelRunner(
+        loaded, pool, PreemptionPolicy("recompute", pool.bytes_per_page, 0), config, max_model_len=64, mesh=None
+    )
+    assert runner.warm_up() == len(step_buckets(32, 4)) == len(runner.step_shapes)
+    for layer in pool.kv_caches:
+        assert float(jnp.max(jnp.abs(layer[1:]))) == 0.0  # only the null page was written
+    before = num_step_compilations()
+    scheduler = Scheduler(
+        num_replicas=1, pages_per_replica=32, page_size=8, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64
+    )
+    for index, length in enumerate([3, 9, 20]):
+        scheduler.add_request(
+            Request(f"r{index}", list(range(1, length + 1)), SamplingParams(temperature=0.0, max_tokens=4))
+        )
+    while scheduler.has_unfinished_requests():
+        batch = scheduler.schedule()
+        sampled = runner.run(batch, lambda request_id: 0)
+        assert not runner.last_step_compiled
+        scheduler.update(
+            batch,
+            {s.request.request_id: int(sampled.tokens[i]) for i, s in enumerate(batch.sequences) if s.completes_prompt},
+        )
+    assert num_step_compilations() == before

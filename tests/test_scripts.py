@@ -380,3 +380,32 @@ def test_throughput_report_shares_llamacpp_row_and_skipped_models(monkeypatch):
     assert "| smollm2 | 2 | paxkv | 50.0 | — | 1.000 | 200 | 100.0 | 32% / 40% |" in table
     assert "| smollm2 | 2 | llamacpp | 100.0 | 0.50 | 1.000 | 200 | 20.0 | — / — |" in table
     assert "not an equal-precision peer" in table and "llamacpp/random_llama skipped: no GGUF." in table
+
+
+def test_bench_serving_measures_paxkv_serve_under_poisson_load(tiny_model_with_tokenizer, tmp_path):
+    out = tmp_path / "serving"
+    run = _script(
+        "bench_serving.py",
+        "--systems=paxkv",
+        f"--model={tiny_model_with_tokenizer}",
+        "--rates=8,32",
+        "--num_requests=6",
+        "--max_tokens=4",
+        "--system_prompt_tokens=16",
+        "--max_prompt_tokens=24",
+        "--vocab_low=1",
+        "--vocab_high=250",
+        "--max_model_len=128",
+        "--max_num_seqs=4",
+        "--max_num_batched_tokens=32",
+        "--warmup_requests=2",
+        f"--out={out}",
+    )
+    result = json.loads((tmp_path / "serving.json").read_text())
+    assert [(row["system"], row["rate"]) for row in result["rows"]] == [("paxkv", 8.0), ("paxkv", 32.0)]
+    for row in result["rows"]:
+        summary = row["summary"]
+        assert summary["completed"] == 6 and summary["errors"] == []
+        assert 0 < summary["ttft_p50_s"] <= summary["ttft_p99_s"] and 0 < summary["tpot_p50_s"]
+        assert summary["output_tokens_per_s"] > 0 and 0 <= summary["slo_share"] <= 1
+    assert "| 8.0 | paxkv | 6/6 |" in (tmp_path / "serving.md").read_text() in run.stdout

@@ -341,8 +341,9 @@ def test_paxkv_serve_runs_and_stops_on_sigterm(chat_llama):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "paxkv.entrypoints.run", "serve", f"--model={chat_llama}", f"--port={port}",
-               "--max_model_len=128", "--num_pages=64", "--page_size=8", "--max_num_batched_tokens=64"]  # fmt: skip
+    command = [sys.executable, "-m", "paxkv.entrypoints.run", "serve", f"--model={chat_llama}", f"--port={port}"]
+    command += ["--max_model_len=128", "--num_pages=64", "--page_size=8", "--max_num_batched_tokens=32"]
+    command += ["--max_num_seqs=4"]
     process = subprocess.Popen(command, env=subprocess_env(), stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -361,6 +362,7 @@ def test_paxkv_serve_runs_and_stops_on_sigterm(chat_llama):
         assert process.wait(60) == -signal.SIGTERM
         stderr = process.stderr.read()
         assert f"http://127.0.0.1:{port}/v1" in stderr and "Finished server process" in stderr, stderr
+        assert "# warm-up: 9 step buckets" in stderr
     finally:
         process.kill()
 

@@ -205,6 +205,15 @@ class Engine:
         self.scheduler.abort(request_id)
         self.metrics.num_requests -= 1
 
+    def warm_up(self) -> tuple[int, float]:
+        """Compile the step programs of every (T, S) bucket now, before requests arrive (a server does this at
+        start); (how many programs ran, seconds taken). With the persistent compilation cache, a later start
+        loads them instead."""
+        start = time.monotonic()
+        num_programs = self.runner.warm_up()
+        self.metrics.num_compilations = num_step_compilations()
+        return num_programs, time.monotonic() - start
+
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""
         return self.scheduler.has_unfinished_requests()

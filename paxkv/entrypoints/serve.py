@@ -25,6 +25,9 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_string("max_request_size", "8MiB", "serve: the largest request body (413 beyond).")
 flags.DEFINE_bool("access_log", False, "serve: log every HTTP request.")
+flags.DEFINE_bool(
+    "warmup", True, "serve: compile every step bucket before listening, so no request waits for a compile."
+)
 
 
 def api_keys() -> tuple[str, ...]:
@@ -95,6 +98,9 @@ def serve(usage_error) -> None:
     )
     if config.salt_by_api_key and not config.api_keys:
         usage_error("--salt_by_api_key needs API keys (--api_key or $PAXKV_API_KEY)")
+    if FLAGS.warmup:
+        num_programs, seconds = engine.warm_up()
+        print(f"# warm-up: {num_programs} step buckets compiled or loaded in {seconds:.1f} s", file=sys.stderr)
     loop = EngineLoop(engine).start()
     app = build_app(loop, loaded.tokenizer, config)
 

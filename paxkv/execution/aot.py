@@ -13,7 +13,6 @@ import math
 import time
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -23,11 +22,10 @@ from models.paged_forward import bucket
 from models.sharding import restore_target, state_shardings
 from pallas_kernels import pages_for
 from paxkv.execution.kv_pool import abstract_pool, kv_bytes_per_page, kv_storage_dtype
-from paxkv.execution.sampler import SamplingArrays
 from paxkv.execution.step import StepBatch, forward_step, sample_step, static_graph
-from paxkv.execution.step_inputs import MIN_PREFILL_TOKENS, StepInputs
+from paxkv.execution.step_arguments import empty_step_batch
+from paxkv.execution.step_inputs import MIN_PREFILL_TOKENS
 from paxkv.parallel.mesh import num_scale_groups
-from paxkv.scheduling.scheduled_batch import ReplicaBatch
 
 logger = logging.getLogger(__name__)
 
@@ -182,38 +180,26 @@ def abstract_step_batch(
 ) -> StepBatch:
     """The step's batch for a (T, S) bucket as ShapeDtypeStructs: [D, ...] leaves, split on "data" when D > 1.
 
-    The arrays come from the builders Engine uses (StepInputs.from_batch, SamplingArrays.from_params) on an
-    empty batch padded to the bucket, so their shapes and dtypes are the engine's.
+    The arrays are step_arguments.empty_step_batch's, made by the builders Engine uses, so their shapes and dtypes
+    are the engine's.
 
     Args:
       engine: the abstract engine.
       num_tokens, num_seqs: the T and S buckets.
       vocab_arrays: include the per-row vocabulary arrays (penalties and min_tokens), the largest variant.
     """
-    empty = ReplicaBatch(sequences=[], num_batched_tokens=0, preempted_request_ids=[])
-    inputs = StepInputs.from_batch(
-        empty,
-        max_num_batched_tokens=num_tokens,
-        max_num_seqs=num_seqs,
+    batch = empty_step_batch(
+        engine.num_replicas,
+        num_tokens,
+        num_seqs,
         pages_per_seq=engine.pages_per_seq,
-        padded_sizes=(num_tokens, num_seqs),
+        vocab_size=engine.vocab_size,
+        vocab_arrays=vocab_arrays,
     )
-    sampling = SamplingArrays.from_params([], positions=[], batch_size=num_seqs)
-    vocab = [None, None, None]
-    if vocab_arrays:
-        vocab = [
-            np.zeros((num_seqs, engine.vocab_size), np.int32),
-            np.zeros((num_seqs, engine.vocab_size), bool),
-            np.zeros((num_seqs, engine.vocab_size), bool),
-        ]
     replicas = engine.num_replicas
     spec = PartitionSpec("data") if replicas > 1 else PartitionSpec()
     sharding = NamedSharding(engine.mesh, spec) if engine.mesh is not None else None
-
-    def abstract(leaf):
-        return jax.ShapeDtypeStruct((replicas, *np.shape(leaf)), np.asarray(leaf).dtype, sharding=sharding)
-
-    return jax.tree.map(abstract, StepBatch(inputs, sampling, *vocab))
+    return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), batch)
 
 
 def compile_step(

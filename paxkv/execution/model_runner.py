@@ -12,10 +12,10 @@ import models
 from models.paged_forward import bucket
 from pallas_kernels import pages_for
 from paxkv.config import EngineConfig
-from paxkv.execution.aot import AbstractEngine, check_step_fits, compile_step, device_memory
+from paxkv.execution.aot import AbstractEngine, check_step_fits, compile_step, device_memory, step_buckets
 from paxkv.execution.kv_pool import KVPool
 from paxkv.execution.step import SampledTokens, StepBatch, copy_pages, page_copy_arrays, run_step, static_graph
-from paxkv.execution.step_arguments import build_step_batch
+from paxkv.execution.step_arguments import build_step_batch, empty_step_batch
 from paxkv.execution.verification import emitted_candidates
 from paxkv.parallel.distributed import host_value
 from paxkv.scheduling.preemption import PreemptionPolicy
@@ -163,6 +163,32 @@ class ModelRunner:
             self.preemption.observe_prefill(batch.num_batched_tokens, time.monotonic() - start)
         # [D, S + R, ...] -> the live candidates, replica by replica (the caller fetches only the fields it reads).
         return LiveRows(sampled, batch, num_rows, num_draft_rows)
+
+    def warm_up(self) -> int:
+        """Compile every plain step program the budgets allow by running each (T, S) bucket once on padding alone
+        (which writes only the null page), so no request waits for a compile of those; returns how many ran.
+
+        Programs with penalties, min_tokens, logprobs or drafts still compile on first use (each sampling variant
+        is a small program of its own).
+        """
+        num_replicas = self.pool.num_replicas
+        buckets = step_buckets(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        for num_tokens, num_rows in buckets:
+            step_batch = empty_step_batch(
+                num_replicas,
+                num_tokens,
+                num_rows,
+                pages_per_seq=self.pages_per_seq,
+                vocab_size=self.loaded.config.vocab_size,
+            )
+            with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+                sampled, self.pool.kv_caches = run_step(self._graph, self.loaded.state, self.pool.kv_caches, step_batch)
+            jax.block_until_ready(sampled.tokens)
+            shape = (num_tokens, num_rows, False, False, False, 0)
+            self.step_shapes.add(shape)
+            self._forward_shapes.add((num_tokens, num_rows, 0))
+            self._sampling_shapes.add(shape[1:])
+        return len(buckets)
 
     def move_pages(self, batch: ScheduledBatch) -> None:
         """Before the step: pages out to the host (preemption by swap), back in (resumption), copies on write."""

@@ -105,3 +105,42 @@ def vocab_arrays(
             if holds_back_stops(sequence.request):
                 suppress[row, stop_token_ids(sequence.request, eos_token_ids)] = True
     return token_counts, prompt_mask, suppress
+
+
+def empty_step_batch(
+    num_replicas: int,
+    num_tokens: int,
+    num_seqs: int,
+    *,
+    pages_per_seq: int,
+    vocab_size: int,
+    vocab_arrays: bool = False,
+) -> StepBatch:
+    """A step batch of the (T, S) bucket that holds no sequence (numpy, every leaf [D, ...]): every token and row is
+    padding, which writes only the null page. What warm-up runs, and what ahead-of-time compiles take the shapes of.
+
+    Args:
+      num_replicas: D.
+      num_tokens, num_seqs: the T and S buckets.
+      pages_per_seq: block-table width.
+      vocab_size: the model's vocabulary size.
+      vocab_arrays: include the per-row vocabulary arrays (penalties and min_tokens), the largest variant.
+    """
+    empty = ReplicaBatch(sequences=[], num_batched_tokens=0, preempted_request_ids=[])
+    inputs = StepInputs.from_batch(
+        empty,
+        max_num_batched_tokens=num_tokens,
+        max_num_seqs=num_seqs,
+        pages_per_seq=pages_per_seq,
+        padded_sizes=(num_tokens, num_seqs),
+    )
+    sampling = SamplingArrays.from_params([], positions=[], batch_size=num_seqs)
+    vocab = [None, None, None]
+    if vocab_arrays:
+        vocab = [
+            np.zeros((num_seqs, vocab_size), np.int32),
+            np.zeros((num_seqs, vocab_size), bool),
+            np.zeros((num_seqs, vocab_size), bool),
+        ]
+    one = StepBatch(inputs, sampling, *vocab)
+    return jax.tree.map(lambda leaf: np.stack([leaf] * num_replicas), one)
