@@ -3,11 +3,10 @@
 import functools
 import itertools
 
-from paxkv.config import EngineConfig
-from paxkv.core.engine import Engine
+from paxkv.config import EngineConfig, LoadConfig
 from paxkv.core.outputs import RequestOutput
 from paxkv.entrypoints.batch_runner import admit_all, drain, encode_chat, encode_prompt
-from paxkv.parallel.mesh import load_on_mesh
+from paxkv.entrypoints.engine_loading import load_engine
 from paxkv.scheduling.sampling_params import SamplingParams
 
 
@@ -35,16 +34,14 @@ class LLM:
           **engine_config: EngineConfig fields (num_pages, max_num_seqs, max_num_batched_tokens, mesh_shape, ...,
             speculative_config={"method": "ngram", "num_speculative_tokens": 4} as vLLM names it).
         """
-        config = EngineConfig(**engine_config)
-        self.loaded = load_on_mesh(
-            model,
-            config.mesh_shape,
+        load_config = LoadConfig(
             dtype=dtype,
             attention_impl=attention_impl,
-            require_tokenizer=not skip_tokenizer_init,
+            skip_tokenizer_init=skip_tokenizer_init,
             allow_nonfinite_weights=allow_nonfinite_weights,
         )
-        self.engine = Engine(self.loaded, config)
+        self.engine = load_engine(model, EngineConfig(**engine_config), load_config)
+        self.loaded = self.engine.loaded
         self._request_ids = itertools.count()
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:

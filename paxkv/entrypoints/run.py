@@ -242,28 +242,20 @@ def _run(stop) -> None:
         _usage_error(str(e))
 
     from models import CheckpointError
-    from paxkv.core.engine import Engine
     from paxkv.entrypoints.batch_runner import BadRequestsError, run_lines
     from paxkv.entrypoints.compilation_cache import enable_compilation_cache
     from paxkv.entrypoints.compile_time import compile_totals
+    from paxkv.entrypoints.engine_loading import load_engine
     from paxkv.entrypoints.output_files import Journal, journal_path, jsonl, write_atomically
     from paxkv.entrypoints.resume import merge
     from paxkv.parallel.distributed import any_process
-    from paxkv.parallel.mesh import load_on_mesh
 
     enable_compilation_cache(FLAGS.compilation_cache_dir)
     try:
-        loaded = load_on_mesh(
-            FLAGS.model,
-            engine_config.mesh_shape,
-            dtype=load_config.dtype,
-            attention_impl=load_config.attention_impl,
-            allow_nonfinite_weights=load_config.allow_nonfinite_weights,
-            require_tokenizer=not load_config.skip_tokenizer_init,
-        )
-        engine = Engine(loaded, engine_config)
+        engine = load_engine(FLAGS.model, engine_config, load_config)
     except (CheckpointError, ValueError) as e:
         sys.exit(f"paxkv: {e}")
+    loaded = engine.loaded
     num_pages, page_size = engine.scheduler.num_total_pages, engine_config.page_size
     if leader:
         print(

@@ -60,10 +60,9 @@ def serve(usage_error) -> None:
 
     from models import CheckpointError
     from paxkv.config import EngineConfig, LoadConfig
-    from paxkv.core.engine import Engine
     from paxkv.entrypoints.compilation_cache import enable_compilation_cache
     from paxkv.entrypoints.config_flags import config_from_flags, parse_memory_size
-    from paxkv.parallel.mesh import load_on_mesh
+    from paxkv.entrypoints.engine_loading import load_engine
     from paxkv.serving.api_server import ServerConfig, build_app
     from paxkv.serving.engine_loop import EngineLoop
 
@@ -77,17 +76,10 @@ def serve(usage_error) -> None:
         usage_error("serve needs the model's tokenizer (for text and chat); drop --skip_tokenizer_init")
     enable_compilation_cache(FLAGS.compilation_cache_dir)
     try:
-        loaded = load_on_mesh(
-            FLAGS.model,
-            engine_config.mesh_shape,
-            dtype=load_config.dtype,
-            attention_impl=load_config.attention_impl,
-            allow_nonfinite_weights=load_config.allow_nonfinite_weights,
-            require_tokenizer=True,
-        )
-        engine = Engine(loaded, engine_config)
+        engine = load_engine(FLAGS.model, engine_config, load_config)
     except (CheckpointError, ValueError) as e:
         sys.exit(f"paxkv: {e}")
+    loaded = engine.loaded
     config = ServerConfig(
         model_name=served_model_name(FLAGS.model or loaded.source),
         max_model_len=engine.max_model_len,

@@ -1,0 +1,24 @@
+"""The one way every entry point (LLM, the batch command line, the server) loads a model and starts an engine."""
+
+from paxkv.config import EngineConfig, LoadConfig
+from paxkv.core.engine import Engine
+from paxkv.parallel.mesh import load_on_mesh
+
+
+def load_engine(model, engine_config: EngineConfig, load_config: LoadConfig) -> Engine:
+    """Load `model` on the engine config's mesh and start an Engine over it; models.load's errors pass through.
+
+    Args:
+      model: anything models.load accepts; None is the embedded SmolLM2.
+      engine_config: the engine's pool, budgets and mesh.
+      load_config: the weights' dtype, the attention implementation, and whether a tokenizer is needed.
+    """
+    loaded = load_on_mesh(
+        model,
+        engine_config.mesh_shape,
+        dtype=load_config.dtype,
+        attention_impl=load_config.attention_impl,
+        allow_nonfinite_weights=load_config.allow_nonfinite_weights,
+        require_tokenizer=not load_config.skip_tokenizer_init,
+    )
+    return Engine(loaded, engine_config)
