@@ -118,6 +118,8 @@ class EngineLoop:
         with self._lock:
             self._num_queued_adds += 1
         self._commands.put(_Add(request_id, arguments, sink, on_added))
+        if not self.is_alive:  # the thread ended after the check above, and may have drained its queue already
+            self._refuse_queued()
 
     def abort(self, request_id: str) -> None:
         """Queue an abort (a request the engine no longer knows is ignored); its sink gets nothing more."""
@@ -196,16 +198,22 @@ class EngineLoop:
         )
 
     def _fail_everything(self, error: BaseException) -> None:
-        """After a failure: every request in flight, and every add still queued, gets the error."""
+        """After a failure: every request in flight gets the error, and every add still queued is refused."""
         sinks, self._sinks = self._sinks, {}
         for sink in sinks.values():
             sink.fail(error)
+        self._refuse_queued()
+
+    def _refuse_queued(self) -> None:
+        """Answer every add still queued with EngineDeadError (from any thread, once the engine thread has ended)."""
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
             if isinstance(command, _Add):
+                with self._lock:
+                    self._num_queued_adds -= 1
                 command.on_added(EngineDeadError(self._dead_reason()))
 
     def _abort_everything(self) -> None:
