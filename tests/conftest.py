@@ -126,9 +126,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def add_byte_level_tokenizer(path) -> None:
-    """Give the model folder `path` (vocabulary 256) a byte-level tokenizer (token id = byte) and CHAT_TEMPLATE."""
+def with_byte_level_tokenizer(checkpoint, folder):
+    """A copy of the model folder `checkpoint` (vocabulary 256) in `folder`, given a byte-level tokenizer (token
+    id = byte) and CHAT_TEMPLATE; returns `folder`."""
     import json
+    import shutil
 
     import tokenizers
 
@@ -139,5 +141,7 @@ def add_byte_level_tokenizer(path) -> None:
     backend = tokenizers.Tokenizer(tokenizers.models.BPE({c: b for b, c in chars.items()}, []))
     backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = tokenizers.decoders.ByteLevel()
-    backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    shutil.copytree(checkpoint, folder)
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    return folder

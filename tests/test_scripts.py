@@ -7,13 +7,12 @@ Covered elsewhere: aot_compile.py (test_aot_compile), device_check.sh and throug
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from conftest import add_byte_level_tokenizer
+from conftest import with_byte_level_tokenizer
 from flax import nnx
 from subprocess_env import subprocess_env
 
@@ -32,10 +31,7 @@ def tiny_model(tiny_llama_checkpoint):
 @pytest.fixture(scope="module")
 def tiny_model_with_tokenizer(tiny_model, tmp_path_factory):
     """The tiny Llama with a byte-level tokenizer (its 256 ids exactly) and a chat template, for scripts needing one."""
-    path = tmp_path_factory.mktemp("tiny_with_tokenizer") / "model"
-    shutil.copytree(tiny_model, path)
-    add_byte_level_tokenizer(path)
-    return path
+    return with_byte_level_tokenizer(tiny_model, tmp_path_factory.mktemp("tiny_with_tokenizer") / "model")
 
 
 def _run(argv: list[str], check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:

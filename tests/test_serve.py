@@ -5,7 +5,6 @@ leak no page, and every bad request gets an OpenAI-shaped error that touches no 
 import asyncio
 import json
 import random
-import shutil
 import signal
 import socket
 import subprocess
@@ -17,7 +16,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from conftest import add_byte_level_tokenizer
+from conftest import with_byte_level_tokenizer
 from prometheus_client.parser import text_string_to_metric_families
 from subprocess_env import subprocess_env
 
@@ -73,10 +72,7 @@ class Served:
 @pytest.fixture(scope="module")
 def chat_llama(engine_llama_checkpoint, tmp_path_factory):
     """The engine tests' tiny Llama with a byte-level tokenizer and a chat template."""
-    path = tmp_path_factory.mktemp("chat_llama") / "model"
-    shutil.copytree(engine_llama_checkpoint, path)
-    add_byte_level_tokenizer(path)
-    return path
+    return with_byte_level_tokenizer(engine_llama_checkpoint, tmp_path_factory.mktemp("chat_llama") / "model")
 
 
 @pytest.fixture(scope="module")

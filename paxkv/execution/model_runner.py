@@ -148,11 +148,7 @@ class ModelRunner:
         num_draft_rows = 0 if step_batch.drafts is None else step_batch.drafts.tokens.shape[-1]
         shape = (num_tokens, num_rows, step_batch.token_counts is not None, step_batch.suppress is not None)
         shape = (*shape, with_logprobs, num_draft_rows)
-        programs = ((num_tokens, num_rows, num_draft_rows), shape[1:])  # the forward's and the sampling's keys
-        self.last_step_compiled = not (programs[0] in self._forward_shapes and programs[1] in self._sampling_shapes)
-        self.step_shapes.add(shape)
-        self._forward_shapes.add(programs[0])
-        self._sampling_shapes.add(programs[1])
+        self.last_step_compiled = self._record(shape)
         # Under the mesh, a Pallas kernel runs per model shard (models.sharding.attention_on_mesh).
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             sampled, self.pool.kv_caches = run_step(
@@ -184,11 +180,18 @@ class ModelRunner:
             with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
                 sampled, self.pool.kv_caches = run_step(self._graph, self.loaded.state, self.pool.kv_caches, step_batch)
             jax.block_until_ready(sampled.tokens)
-            shape = (num_tokens, num_rows, False, False, False, 0)
-            self.step_shapes.add(shape)
-            self._forward_shapes.add((num_tokens, num_rows, 0))
-            self._sampling_shapes.add(shape[1:])
+            self._record((num_tokens, num_rows, False, False, False, 0))
         return len(buckets)
+
+    def _record(self, shape: tuple) -> bool:
+        """Note a step's shape; whether its forward (T, S, R) or its sampling (S, optional parts, R) was new."""
+        num_tokens, num_rows, *_, num_draft_rows = shape
+        forward, sampling = (num_tokens, num_rows, num_draft_rows), shape[1:]
+        new = forward not in self._forward_shapes or sampling not in self._sampling_shapes
+        self.step_shapes.add(shape)
+        self._forward_shapes.add(forward)
+        self._sampling_shapes.add(sampling)
+        return new
 
     def move_pages(self, batch: ScheduledBatch) -> None:
         """Before the step: pages out to the host (preemption by swap), back in (resumption), copies on write."""

@@ -102,11 +102,11 @@ class SamplingFields(BaseModel):
             seed=self.seed,
             logprobs=logprobs,
         )
-        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty"):
+        # Fields the request left out keep SamplingParams' defaults (vLLM's).
+        optional = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
+        for name in (*optional, "repetition_penalty"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
-        if self.repetition_penalty is not None:
-            fields["repetition_penalty"] = self.repetition_penalty
         return SamplingParams(**fields)
 
     def requested_max_tokens(self) -> int | None:

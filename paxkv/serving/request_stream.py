@@ -23,6 +23,7 @@ from paxkv.serving.openai_responses import (
     chat_response,
     completion_logprobs,
     completion_response,
+    response_id,
     usage,
 )
 from paxkv.serving.server_metrics import ServerMetrics
@@ -188,50 +189,51 @@ class RequestStream:
             return Response(status_code=499)
         outputs = collect.result()
         if kind == "chat":
-            return chat_response(f"chatcmpl-{uuid.uuid4().hex}", model, outputs[0], num_logprobs)
-        return completion_response(f"cmpl-{uuid.uuid4().hex}", model, outputs, num_logprobs)
+            return chat_response(response_id("chatcmpl"), model, outputs[0], num_logprobs)
+        return completion_response(response_id("cmpl"), model, outputs, num_logprobs)
 
-    async def completion_chunks(self, response_id: str, model: str, num_logprobs: int | None, include_usage: bool):
+    async def completion_chunks(self, stream_id: str, model: str, num_logprobs: int | None, include_usage: bool):
         """Server-sent events of /v1/completions: one chunk per choice that advanced, then usage, then [DONE]."""
-        created = int(time.time())
 
-        def chunk(choice: int, text: str, logprobs, finish_reason, stop_reason) -> dict:
-            body = {"index": choice, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-            if finish_reason is not None:
-                body["stop_reason"] = stop_reason
-            return {"id": response_id, "object": "text_completion", "created": created, "model": model,
-                    "choices": [body]}  # fmt: skip
+        def choice_body(choice: int, text: str, tokens, entries, text_offset: int) -> dict:
+            logprobs = None
+            if num_logprobs is not None and tokens:
+                logprobs = completion_logprobs(tokens, entries, num_logprobs, text_offset)
+            return {"index": choice, "text": text, "logprobs": logprobs}
 
-        def logprobs_of(tokens, entries, text_offset):
-            return None if num_logprobs is None else completion_logprobs(tokens, entries, num_logprobs, text_offset)
-
-        async for event in self._events(chunk, logprobs_of, include_usage, "text_completion", response_id, model):
+        async for event in self._events(choice_body, "text_completion", stream_id, model, include_usage):
             yield event
 
-    async def chat_chunks(self, response_id: str, model: str, num_logprobs: int | None, include_usage: bool):
+    async def chat_chunks(self, stream_id: str, model: str, num_logprobs: int | None, include_usage: bool):
         """Server-sent events of /v1/chat/completions: the assistant role, then content deltas, usage, [DONE]."""
-        created = int(time.time())
         roles_sent: set[int] = set()
 
-        def chunk(choice: int, text: str, logprobs, finish_reason, stop_reason) -> dict:
-            delta = {} if finish_reason is not None and not text else {"content": text}
-            if choice not in roles_sent:
+        def choice_body(choice: int, text: str, tokens, entries, text_offset: int) -> dict:
+            delta = {"content": text} if text else {}
+            if choice not in roles_sent:  # the first chunk of each choice names the role
                 roles_sent.add(choice)
                 delta = {"role": "assistant", **delta}
-            body = {"index": choice, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-            if finish_reason is not None:
-                body["stop_reason"] = stop_reason
-            return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [body]}  # fmt: skip
+            logprobs = None
+            if num_logprobs is not None and tokens:
+                logprobs = chat_logprobs(tokens, entries, num_logprobs)
+            return {"index": choice, "delta": delta, "logprobs": logprobs}
 
-        def logprobs_of(tokens, entries, text_offset):
-            return None if num_logprobs is None else chat_logprobs(tokens, entries, num_logprobs)
-
-        async for event in self._events(chunk, logprobs_of, include_usage, "chat.completion.chunk", response_id, model):
+        async for event in self._events(choice_body, "chat.completion.chunk", stream_id, model, include_usage):
             yield event
 
-    async def _events(self, chunk, logprobs_of, include_usage: bool, kind: str, response_id: str, model: str):
-        """The SSE lines both endpoints share; whatever has not finished when the client leaves is aborted."""
+    async def _events(self, choice_body, kind: str, stream_id: str, model: str, include_usage: bool):
+        """The SSE lines both endpoints share: each chunk's envelope, finish reasons, usage, [DONE]; whatever has not
+        finished when the client leaves is aborted.
+
+        Args:
+          choice_body: (choice index, new text, new token ids, their logprob entries, the text's offset in the
+            choice) -> the endpoint's choice object.
+          kind: the chunks' "object".
+          stream_id, model: the chunks' "id" and "model".
+          include_usage: end with a usage chunk.
+        """
+        created = int(time.time())
+        envelope = {"id": stream_id, "object": kind, "created": created, "model": model}
         streams: dict[int, ChoiceStream] = {}
         done: set[int] = set()
         try:
@@ -241,9 +243,8 @@ class RequestStream:
                 except APIError as e:  # the engine failed mid-stream: say so, then end the stream
                     yield _event(error_body(e.status, e.message))
                     break
-                num_samples = self.params[index].n
                 for completion in output.outputs:
-                    choice = index * num_samples + completion.index
+                    choice = index * self.params[index].n + completion.index
                     if choice in done:
                         continue
                     stream = streams.setdefault(choice, ChoiceStream(self.params[index].stop))
@@ -252,14 +253,14 @@ class RequestStream:
                     finish_reason = completion.finish_reason
                     if not text and not tokens and finish_reason is None:
                         continue
+                    body = {**choice_body(choice, text, tokens, entries, offset), "finish_reason": finish_reason}
                     if finish_reason is not None:
                         done.add(choice)
-                    logprobs = logprobs_of(tokens, entries, offset) if tokens else None
-                    yield _event(chunk(choice, text, logprobs, finish_reason, completion.stop_reason))
+                        body["stop_reason"] = completion.stop_reason
+                    yield _event({**envelope, "choices": [body]})
             else:
                 if include_usage:
-                    yield _event({"id": response_id, "object": kind, "created": int(time.time()), "model": model,
-                                  "choices": [], "usage": usage(self.finals)})  # fmt: skip
+                    yield _event({**envelope, "choices": [], "usage": usage(self.finals)})
             yield "data: [DONE]\n\n"
         finally:
             self.abort()
