@@ -183,6 +183,19 @@ class EngineConfig:
                 f"watermark is the fraction of pages admission keeps free, in [0, 1); got {self.watermark!r}"
             )
 
+    def context_length(self, model_context: int) -> int:
+        """The longest prompt plus output: max_model_len, by default min(model_context, 4096); raises past the model's.
+
+        Args:
+          model_context: the model's max_position_embeddings.
+        """
+        max_model_len = self.max_model_len or min(model_context, 4096)
+        if max_model_len > model_context:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's context of {model_context}; lower max_model_len"
+            )
+        return max_model_len
+
 
 @dataclasses.dataclass(frozen=True)
 class LoadConfig:

@@ -44,15 +44,9 @@ class Engine:
         """
         self.loaded = loaded
         self.config = config = config or EngineConfig()
-        model_config = loaded.config
-        self.max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 4096)
-        if self.max_model_len > model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} exceeds the model's context of "
-                f"{model_config.max_position_embeddings}; lower max_model_len"
-            )
+        self.max_model_len = config.context_length(loaded.config.max_position_embeddings)
         self.mesh = engine_mesh(loaded, config.mesh_shape)
-        self.pool = KVPool(model_config, config, loaded.model.compute_dtype, self.mesh)
+        self.pool = KVPool(loaded.config, config, loaded.model.compute_dtype, self.mesh)
         pool = self.pool
         self.preemption = PreemptionPolicy(pool.preemption_mode, pool.bytes_per_page, pool.num_host_slots)
         speculative = config.speculative_config
@@ -146,7 +140,7 @@ class Engine:
             return []
         self.outputs.adopt(batch.forked)
         self.outputs.scheduled(batch, start)
-        pages_in_step = self.scheduler.num_request_pages  # before finished requests free theirs
+        peak_pages = self.scheduler.num_request_pages  # before finished requests free theirs
         sampled = self.runner.run(batch, self.outputs.seed_of)
         # Each sequence's emitted candidates: its one sampled token, or its accepted drafts and one more.
         emitted = {
@@ -162,22 +156,10 @@ class Engine:
         self.outputs.adopt(outcome.forked)
         taken = {request_id: emitted[request_id][:count] for request_id, count in outcome.num_taken.items()}
         outputs, finished = self.outputs.process(batch, sampled, taken, self.scheduler)
-        metrics = self.metrics
-        metrics.num_finished_requests += len(finished)
-        metrics.num_prompt_tokens += sum(len(group.prompt_token_ids) for group in finished)
-        metrics.num_generated_tokens += sum(
-            int(sampled.tokens[c]) != NONFINITE_TOKEN for rows in taken.values() for c in rows
-        )
-        metrics.num_pages_swapped = self.runner.num_pages_swapped
-        metrics.num_compilations = num_step_compilations()
-        metrics.observe(self.scheduler)
-        metrics.record_step(
-            start,
-            batch.num_batched_tokens,
-            metrics.kv_pages_used,
-            *self.scheduler.kv_slots,
-            peak_kv_pages=pages_in_step,
-        )
+        num_generated = sum(int(sampled.tokens[c]) != NONFINITE_TOKEN for rows in taken.values() for c in rows)
+        self.metrics.record_step(start, self.scheduler, batch.num_batched_tokens, peak_pages, finished, num_generated)
+        self.metrics.num_pages_swapped = self.runner.num_pages_swapped
+        self.metrics.num_compilations = num_step_compilations()
         return outputs
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -116,27 +116,31 @@ class EngineMetrics:
             setattr(self, name, value)
 
     def record_step(
-        self, start: float, num_tokens: int, kv_pages_used: int, allocated: int, filled: int, peak_kv_pages: int = 0
+        self, start: float, scheduler, num_tokens: int, peak_kv_pages: int, finished: list, num_generated: int
     ) -> None:
         """Account one step that began at `start` (time.monotonic) and has just ended.
 
         Args:
           start: when the step began.
+          scheduler: the engine's Scheduler, after the step's update.
           num_tokens: tokens the step ran through the model.
-          kv_pages_used: pages requests hold after the step.
-          allocated: token slots in the running requests' pages after the step.
-          filled: of those, slots holding a computed token.
           peak_kv_pages: pages requests held during the step, before finished requests freed theirs.
+          finished: the request groups (paxkv.core.output_processor) that finished in the step.
+          num_generated: tokens the step emitted (accepted drafts included, non-finite placeholders not).
         """
         end = time.monotonic()
+        self.observe(scheduler)
+        allocated, filled = scheduler.kv_slots
         self.num_steps += 1
         self.num_computed_tokens += num_tokens
+        self.num_finished_requests += len(finished)
+        self.num_prompt_tokens += sum(len(group.prompt_token_ids) for group in finished)
+        self.num_generated_tokens += num_generated
         self.busy_seconds += end - start
         if self.first_step_time is None:
             self.first_step_time = start
         self.last_step_time = end
-        self.kv_pages_used = kv_pages_used
-        self.peak_kv_pages_used = max(self.peak_kv_pages_used, kv_pages_used, peak_kv_pages)
+        self.peak_kv_pages_used = max(self.peak_kv_pages_used, self.kv_pages_used, peak_kv_pages)
         self.allocated_slot_steps += allocated
         self.unfilled_slot_steps += allocated - filled
 
