@@ -3,11 +3,13 @@
 import collections
 import logging
 import zlib
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from paxkv.scheduling import replica_scheduler
 from paxkv.scheduling.page_allocator import PageAllocator
 from paxkv.scheduling.replica_scheduler import ReplicaScheduler
 from paxkv.scheduling.request import Request, RequestStatus
@@ -23,7 +25,9 @@ def fake_token(request_id: str, position: int) -> int:
     return zlib.crc32(f"{request_id}:{position}".encode()) % VOCAB_SIZE
 
 
-def make_scheduler(num_pages=64, page_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256):
+def make_scheduler(
+    num_pages=64, page_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256, step_sizes=()
+):
     """A scheduler over a fresh pool, with EOS as its end-of-sequence token."""
     return ReplicaScheduler(
         PageAllocator(num_pages),
@@ -32,7 +36,13 @@ def make_scheduler(num_pages=64, page_size=4, max_num_seqs=8, max_num_batched_to
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         eos_token_ids=(EOS,),
+        step_sizes=step_sizes,
     )
+
+
+def powers_of_two(maximum: int) -> list[int]:
+    """1, 2, 4, ... up to the power of two at or above maximum: the step sizes the model runner pads to."""
+    return [1 << i for i in range(max(0, maximum - 1).bit_length() + 1)]
 
 
 def make_request(request_id, num_prompt_tokens, **sampling):
@@ -106,7 +116,7 @@ def run_step(scheduler: ReplicaScheduler, model: FakeModel) -> tuple[ReplicaBatc
 
 def run_alone(request_id, num_prompt_tokens, **sampling):
     """The output and finish reason of one request run alone in a big pool."""
-    scheduler = make_scheduler(num_pages=256)
+    scheduler = make_scheduler(num_pages=256, max_model_len=1024)
     request = make_request(request_id, num_prompt_tokens, **sampling)
     scheduler.add_request(request)
     model = FakeModel()
@@ -224,6 +234,51 @@ def test_decodes_and_prefill_chunks_share_a_batch():
         ("short", 1, True),
         ("long", 9, False),
     ]
+
+
+def test_a_step_just_past_a_step_size_is_trimmed_to_it():
+    """300 prompt tokens would pad to 512: they run as 256 and then 44, the request holding only the pages of its
+    first chunk in between, and the output is the untrimmed one."""
+    scheduler = make_scheduler(
+        num_pages=128, page_size=16, max_num_batched_tokens=512, max_model_len=1024, step_sizes=powers_of_two(512)
+    )
+    request = make_request("p", 300, max_tokens=3, ignore_eos=True)
+    scheduler.add_request(request)
+    model = FakeModel()
+    batch, _ = run_step(scheduler, model)
+    assert batch.num_batched_tokens == 256 and not batch.sequences[0].completes_prompt
+    assert len(request.block_table) == 16 and scheduler.allocator.num_free_pages == 127 - 16
+    batch, _ = run_step(scheduler, model)
+    assert batch.num_batched_tokens == 44 and batch.sequences[0].completes_prompt
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler, model)
+    assert (request.output_token_ids, request.finish_reason) == run_alone("p", 300, max_tokens=3, ignore_eos=True)
+
+
+def test_the_newest_chunks_give_up_the_tokens_and_decodes_keep_theirs():
+    """Three decodes and two new prompts (3 + 100 + 40 = 143 tokens) run as 128: the newest prompt gives up its
+    tokens but one; a step too far past a size (here 324 of 512), or below MIN_FITTED_STEP_SIZE, is left alone."""
+    scheduler = make_scheduler(
+        num_pages=256, page_size=16, max_num_batched_tokens=512, max_model_len=1024, step_sizes=powers_of_two(512)
+    )
+    model = FakeModel()
+    for index in range(3):
+        scheduler.add_request(make_request(f"d{index}", 4, max_tokens=20, ignore_eos=True))
+    run_step(scheduler, model)
+    scheduler.add_request(make_request("a", 100, max_tokens=1))
+    scheduler.add_request(make_request("b", 40, max_tokens=1))
+    batch, _ = run_step(scheduler, model)
+    assert [(s.request.request_id, s.num_new_tokens) for s in batch.sequences] == [
+        ("d0", 1), ("d1", 1), ("d2", 1), ("a", 100), ("b", 25)
+    ]  # fmt: skip
+    assert batch.num_batched_tokens == 128
+    scheduler.add_request(make_request("c", 321, max_tokens=1))
+    batch, _ = run_step(scheduler, model)  # d0-d2, the rest of b (15) and c: 339 tokens, over 256 + 64
+    assert batch.num_batched_tokens == 3 + 15 + 321
+
+    small = make_scheduler(num_pages=64, page_size=4, max_num_batched_tokens=64, step_sizes=powers_of_two(64))
+    small.add_request(make_request("s", 36, max_tokens=1))  # 36 would pad to 64, but 32 is below the minimum
+    assert small.schedule().num_batched_tokens == 36
 
 
 def test_admits_in_arrival_order():
@@ -375,9 +430,10 @@ request_specs = st.lists(
     max_num_batched_tokens=st.integers(1, 40),
     num_extra_pages=st.integers(0, 12),
     aborts=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 7)), max_size=3),  # (step, request index)
+    fit_step_sizes=st.booleans(),
 )
 def test_random_workloads_finish_with_consistent_pages(
-    specs, page_size, max_num_seqs, max_num_batched_tokens, num_extra_pages, aborts
+    specs, page_size, max_num_seqs, max_num_batched_tokens, num_extra_pages, aborts, fit_step_sizes
 ):
     requests, params, arrivals = [], {}, collections.defaultdict(list)
     for index, (num_prompt, max_tokens, min_tokens, ignore_eos, arrival_step) in enumerate(specs):
@@ -394,6 +450,7 @@ def test_random_workloads_finish_with_consistent_pages(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=64,
+        step_sizes=powers_of_two(max_num_batched_tokens) if fit_step_sizes else (),
     )
     abort_steps = collections.defaultdict(list)
     for step, index in aborts:
@@ -401,20 +458,22 @@ def test_random_workloads_finish_with_consistent_pages(
     # The oldest unfinished request computes at least one token each step and recomputes at most once per output.
     max_num_steps = 7 + sum(r.num_prompt_tokens + 2 * r.sampling_params.max_tokens for r in requests)
     model, aborted = FakeModel(), set()
-    for step in range(max_num_steps + 1):
-        for request in arrivals.get(step, []):
-            scheduler.add_request(request)
-        for request_id in abort_steps.get(step, []):
-            if scheduler.abort(request_id) is not None:
-                aborted.add(request_id)
-        check_state(scheduler)
-        if step > 6 and not scheduler.has_unfinished_requests():
-            break
-        if scheduler.has_unfinished_requests():
-            batch, _ = run_step(scheduler, model)
-            assert not batch.is_empty  # progress every step: no deadlock
-    else:
-        pytest.fail(f"not finished after {max_num_steps} steps")
+    # Steps this small are never trimmed at the shipped minimum size: fit them down to 2 tokens.
+    with mock.patch.object(replica_scheduler, "MIN_FITTED_STEP_SIZE", 2):
+        for step in range(max_num_steps + 1):
+            for request in arrivals.get(step, []):
+                scheduler.add_request(request)
+            for request_id in abort_steps.get(step, []):
+                if scheduler.abort(request_id) is not None:
+                    aborted.add(request_id)
+            check_state(scheduler)
+            if step > 6 and not scheduler.has_unfinished_requests():
+                break
+            if scheduler.has_unfinished_requests():
+                batch, _ = run_step(scheduler, model)
+                assert not batch.is_empty  # progress every step: no deadlock
+        else:
+            pytest.fail(f"not finished after {max_num_steps} steps")
     assert scheduler.allocator.num_free_pages == scheduler.allocator.num_total_pages
     assert scheduler.num_preemptions == sum(request.num_preemptions for request in requests)
     for request in requests:

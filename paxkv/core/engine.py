@@ -19,7 +19,7 @@ from paxkv.core.outputs import RequestOutput
 from paxkv.execution.kv_pool import KVPool
 from paxkv.execution.model_runner import ModelRunner
 from paxkv.execution.step import num_step_compilations
-from paxkv.execution.step_inputs import num_buckets
+from paxkv.execution.step_inputs import num_buckets, power_of_two_buckets
 from paxkv.parallel.mesh import engine_mesh
 from paxkv.scheduling.preemption import PreemptionPolicy
 from paxkv.scheduling.request import Request
@@ -69,6 +69,7 @@ class Engine:
             preemption=self.preemption,
             watermark_pages=int(config.watermark * (pool.pages_per_replica - 1)),
             drafter=self.drafter,
+            step_sizes=power_of_two_buckets(config.max_num_batched_tokens),
         )
         self.runner = ModelRunner(
             loaded, pool, self.preemption, config, max_model_len=self.max_model_len, mesh=self.mesh

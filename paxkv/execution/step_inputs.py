@@ -15,6 +15,11 @@ def power_of_two_bucket(n: int, maximum: int) -> int:
     return min(bucket(maximum), bucket(n))
 
 
+def power_of_two_buckets(maximum: int) -> list[int]:
+    """The power-of-two buckets that cover 1..maximum, ascending (the sizes a step's T and S pad to)."""
+    return [1 << i for i in range(num_buckets(maximum))]
+
+
 def num_buckets(maximum: int) -> int:
     """How many power-of-two buckets cover 1..maximum."""
     return max(0, maximum - 1).bit_length() + 1

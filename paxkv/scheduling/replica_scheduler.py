@@ -19,6 +19,10 @@ from paxkv.scheduling.swap_slots import HostSlotAllocator
 logger = logging.getLogger(__name__)
 
 
+# The smallest step size _fit_step_size trims a step down to.
+MIN_FITTED_STEP_SIZE = 64
+
+
 def _run_order(request: Request) -> tuple[int, int]:
     """Running requests go by priority, then arrival: the last one is the first victim."""
     return request.priority, request.arrival_index
@@ -42,6 +46,7 @@ class ReplicaScheduler:
         preemption: PreemptionPolicy | None = None,
         watermark_pages: int = 0,
         drafter=None,
+        step_sizes: Sequence[int] = (),
     ):
         """Creates a scheduler that hands out pages of `allocator`.
 
@@ -57,6 +62,8 @@ class ReplicaScheduler:
           preemption: chooses recompute or swap per victim; None means recompute.
           watermark_pages: pages admission leaves free (while anything runs), against immediate preemption.
           drafter: proposes speculative drafts for decoding requests (paxkv.speculation.drafter), or None.
+          step_sizes: the token counts the model runner pads a step to, ascending; with them, a step whose prefill
+            chunks would pad it far up to the next size is trimmed to the size below (_fit_step_size).
         """
         check_positive_integers(
             page_size=page_size,
@@ -81,6 +88,7 @@ class ReplicaScheduler:
         self.preemption = preemption
         self.watermark_pages = watermark_pages
         self.drafter = drafter
+        self.step_sizes = sorted(step_sizes)
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
         self._slots_to_free: list[int] = []
@@ -196,6 +204,7 @@ class ReplicaScheduler:
             sequences.append(self.pages.grow(request, num_new_tokens))
             token_budget -= num_new_tokens
 
+        token_budget += self._fit_step_size(sequences, self.max_num_batched_tokens - token_budget)
         if self.drafter is not None and token_budget > 0:
             token_budget -= self._add_drafts(sequences, token_budget)
         num_batched_tokens = self.max_num_batched_tokens - token_budget
@@ -353,6 +362,34 @@ class ReplicaScheduler:
         if self.prefix_trie is not None:
             self.prefix_trie.evict(num_pages + reserve - self.allocator.num_free_pages)
         return self.allocator.can_allocate(num_pages + reserve)
+
+    def _fit_step_size(self, sequences: list[ScheduledSequence], num_tokens: int) -> int:
+        """Shorten the newest prefill chunks so that a step just past a step size runs at that size instead of
+        padding up to the next one; return how many tokens it took out (they run in a later step).
+
+        The model runner pads a step's T tokens to a power of two, so 300 prompt tokens cost as much as 512. Taking
+        the step down to 256 costs one more, smaller step later (300 as 256 + 44, padded to 256 + 64). That pays
+        where few tokens move and the sizes are far apart: at most a quarter of the gap moves, and the size below
+        is at least MIN_FITTED_STEP_SIZE (below it a step's fixed cost outweighs the padding).
+
+        Args:
+          sequences: the step's sequences, before drafts; re-planned in place.
+          num_tokens: the tokens they run.
+        """
+        padded = next((size for size in self.step_sizes if size >= num_tokens), None)
+        lower = max((size for size in self.step_sizes if size < num_tokens), default=None)
+        if padded is None or lower is None or lower < MIN_FITTED_STEP_SIZE:
+            return 0
+        excess = num_tokens - lower
+        if excess > (padded - lower) // 4 or excess > sum(s.num_new_tokens - 1 for s in sequences):
+            return 0
+        for index in reversed(range(len(sequences))):  # the newest admissions, then the running chunks
+            sequence = sequences[index]
+            cut = min(sequence.num_new_tokens - 1, excess)
+            if cut > 0:
+                sequences[index] = self.pages.shrink(sequence, sequence.num_new_tokens - cut)
+                excess -= cut
+        return num_tokens - lower
 
     def _add_drafts(self, sequences: list[ScheduledSequence], token_budget: int) -> int:
         """Give the decoding sequences the drafts the drafter approves, within the token budget and the free pages

@@ -58,9 +58,23 @@ class RequestPages:
             num_draft_tokens=len(drafts),
         )
 
-    def roll_back(self, request: Request) -> None:
-        """Give back the pages past a request's computed tokens: after a step, they hold only rejected drafts."""
-        num_pages = Request.num_pages_needed(self.page_size, request.num_computed_tokens)
+    def shrink(self, sequence: ScheduledSequence, num_new_tokens: int) -> ScheduledSequence:
+        """Re-plan a prefill chunk planned this step to its first `num_new_tokens` tokens, giving back the pages only
+        the rest would have filled (they are allocated again when the rest is scheduled).
+
+        Args:
+          sequence: a sequence grow() planned this step, without drafts.
+          num_new_tokens: tokens it keeps, at least 1.
+        """
+        request = sequence.request
+        self.roll_back(request, request.num_computed_tokens + num_new_tokens)
+        return self.grow(request, num_new_tokens)
+
+    def roll_back(self, request: Request, num_tokens: int | None = None) -> None:
+        """Give back the pages past a request's first `num_tokens` (by default its computed tokens: after a step, the
+        pages past them hold only rejected drafts)."""
+        num_tokens = request.num_computed_tokens if num_tokens is None else num_tokens
+        num_pages = Request.num_pages_needed(self.page_size, num_tokens)
         if len(request.block_table) > num_pages:
             self.allocator.free(request.block_table[num_pages:])
             del request.block_table[num_pages:]

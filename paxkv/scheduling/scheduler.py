@@ -55,6 +55,7 @@ class Scheduler:
         preemption: PreemptionPolicy | None = None,
         watermark_pages: int = 0,
         drafter=None,
+        step_sizes=(),
     ):
         """Creates one allocator, prefix cache and ReplicaScheduler per replica.
 
@@ -70,6 +71,7 @@ class Scheduler:
           preemption: chooses recompute or swap per victim; None means recompute.
           watermark_pages: pages each replica's admission leaves free.
           drafter: a paxkv.speculation.drafter.Drafter shared by the replicas, or None for no speculation.
+          step_sizes: the token counts the model runner pads a step to (ReplicaScheduler's).
         """
         self.pages_per_replica = pages_per_replica
         self.page_size = page_size
@@ -90,6 +92,7 @@ class Scheduler:
                 preemption=preemption,
                 watermark_pages=watermark_pages,
                 drafter=drafter,
+                step_sizes=step_sizes,
             )
             for allocator, trie in zip(self.allocators, self.prefix_tries, strict=True)
         ]
