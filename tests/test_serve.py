@@ -232,6 +232,31 @@ def test_64_streaming_clients_with_disconnects_leak_nothing(served, reference):
     assert scraped["paxkv:e2e_request_latency_seconds_count"] >= finished
 
 
+def test_a_stream_whose_client_leaves_before_its_first_chunk_is_aborted(served):
+    """The client sends a streaming request and closes the connection at once: the request is aborted (not run to
+    its max_tokens), and its pages go back."""
+    before = served.loop.state.metrics
+    body = json.dumps(
+        {"model": MODEL, "prompt": "leaving early", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+         "stream": True}
+    ).encode()  # fmt: skip
+    host, port = served.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as connection:
+        connection.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEYS[0]}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+    deadline = time.monotonic() + 30
+    while served.loop.state.metrics.num_aborted_requests == before.num_aborted_requests:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.01)
+    served.wait_idle()
+    metrics = served.loop.state.metrics
+    assert metrics.num_finished_requests == before.num_finished_requests  # it did not run to its 200 tokens
+    assert metrics.num_generated_tokens - before.num_generated_tokens < 200 and metrics.kv_pages_used == 0
+
+
 @pytest.mark.parametrize(
     "body,status,needle,param",
     [
