@@ -4,6 +4,7 @@ inside accepted drafts, and 10k random operations with every page accounted for.
 import numpy as np
 import pytest
 
+from paxkv.scheduling import replica_scheduler
 from paxkv.scheduling.page_allocator import PageAllocator
 from paxkv.scheduling.prefix_trie import PrefixTrie
 from paxkv.scheduling.replica_scheduler import ReplicaScheduler
@@ -141,11 +142,14 @@ def _fake_speculative_step(batch, page_size: int, kv: dict) -> dict:
     return given
 
 
-def test_random_speculative_steps_keep_every_page_accounted_for_and_the_output_exact():
+@pytest.mark.parametrize("fit_step_sizes", [False, True])
+def test_random_speculative_steps_keep_every_page_accounted_for_and_the_output_exact(fit_step_sizes, monkeypatch):
     """10k scheduler operations (arrivals, aborts, speculative steps with random acceptance) on a tight pool with
-    prefix caching: after every step each page's ref count equals its holders, and at the end no page leaks and
-    every request's output is the one plain decoding gives."""
+    prefix caching, with steps fitted to power-of-two sizes or not: after every step each page's ref count equals
+    its holders, and at the end no page leaks and every request's output is the one plain decoding gives."""
     from test_replica_scheduler import EOS, check_state, fake_token
+
+    monkeypatch.setattr(replica_scheduler, "MIN_FITTED_STEP_SIZE", 2)  # these steps are far below the shipped 64
 
     rng = np.random.default_rng(0)
     page_size, max_model_len = 4, 48
@@ -159,6 +163,7 @@ def test_random_speculative_steps_keep_every_page_accounted_for_and_the_output_e
         eos_token_ids=[EOS],
         prefix_trie=PrefixTrie(allocator, page_size),
         drafter=RandomDrafter(rng, k=5, hit=0.6),
+        step_sizes=[1, 2, 4, 8, 16, 32] if fit_step_sizes else (),
     )
     requests, kv, operations = [], {}, 0
     while operations < 10_000:
@@ -201,3 +206,31 @@ def test_random_speculative_steps_keep_every_page_accounted_for_and_the_output_e
                 reason = "length"
                 break
         assert (request.output_token_ids, request.finish_reason) == (expected, reason), request.request_id
+
+
+def test_a_step_is_fitted_to_its_size_around_its_drafts():
+    """A decode with two drafts beside 299 prompt tokens (302) runs at 256: the prompt gives up 46 tokens, the
+    drafts stay; the next step (the drafts again and the prompt's last 46 tokens, 49) is too small to fit."""
+    scheduler = ReplicaScheduler(
+        PageAllocator(128),
+        page_size=16,
+        max_num_seqs=4,
+        max_num_batched_tokens=512,
+        max_model_len=1024,
+        eos_token_ids=[0],
+        drafter=FixedDrafter([5, 6]),
+        step_sizes=[1 << i for i in range(10)],
+    )
+    scheduler.add_request(Request("r", [1, 2, 3], SamplingParams(max_tokens=20)))
+    scheduler.update(scheduler.schedule(), {"r": 4})
+    scheduler.add_request(Request("long", list(range(1, 300)), SamplingParams(max_tokens=1)))
+    batch = scheduler.schedule()
+    assert [(s.request.request_id, s.num_new_tokens, s.num_draft_tokens) for s in batch.sequences] == [
+        ("r", 3, 2), ("long", 253, 0)
+    ]  # fmt: skip
+    assert batch.num_batched_tokens == 256
+    scheduler.update(batch, {"r": [5, 8]})  # draft 5 stands, 6 does not
+    batch = scheduler.schedule()
+    assert [(s.request.request_id, s.num_new_tokens, s.num_draft_tokens) for s in batch.sequences] == [
+        ("r", 3, 2), ("long", 46, 0)
+    ]  # fmt: skip

@@ -204,9 +204,9 @@ class ReplicaScheduler:
             sequences.append(self.pages.grow(request, num_new_tokens))
             token_budget -= num_new_tokens
 
-        token_budget += self._fit_step_size(sequences, self.max_num_batched_tokens - token_budget)
         if self.drafter is not None and token_budget > 0:
             token_budget -= self._add_drafts(sequences, token_budget)
+        token_budget += self._fit_step_size(sequences, self.max_num_batched_tokens - token_budget)
         num_batched_tokens = self.max_num_batched_tokens - token_budget
         return ReplicaBatch(
             sequences=sequences,
@@ -373,7 +373,8 @@ class ReplicaScheduler:
         is at least MIN_FITTED_STEP_SIZE (below it a step's fixed cost outweighs the padding).
 
         Args:
-          sequences: the step's sequences, before drafts; re-planned in place.
+          sequences: the step's sequences, drafts included (sequences with drafts keep all their tokens);
+            re-planned in place.
           num_tokens: the tokens they run.
         """
         padded = next((size for size in self.step_sizes if size >= num_tokens), None)
@@ -381,11 +382,12 @@ class ReplicaScheduler:
         if padded is None or lower is None or lower < MIN_FITTED_STEP_SIZE:
             return 0
         excess = num_tokens - lower
-        if excess > (padded - lower) // 4 or excess > sum(s.num_new_tokens - 1 for s in sequences):
+        trimmable = [0 if s.num_draft_tokens else s.num_new_tokens - 1 for s in sequences]
+        if excess > (padded - lower) // 4 or excess > sum(trimmable):
             return 0
         for index in reversed(range(len(sequences))):  # the newest admissions, then the running chunks
             sequence = sequences[index]
-            cut = min(sequence.num_new_tokens - 1, excess)
+            cut = min(trimmable[index], excess)
             if cut > 0:
                 sequences[index] = self.pages.shrink(sequence, sequence.num_new_tokens - cut)
                 excess -= cut
