@@ -241,20 +241,14 @@ def _run(stop) -> None:
     except ValueError as e:
         _usage_error(str(e))
 
-    from models import CheckpointError
     from paxkv.entrypoints.batch_runner import BadRequestsError, run_lines
-    from paxkv.entrypoints.compilation_cache import enable_compilation_cache
     from paxkv.entrypoints.compile_time import compile_totals
-    from paxkv.entrypoints.engine_loading import load_engine
+    from paxkv.entrypoints.engine_loading import start_command_line_engine
     from paxkv.entrypoints.output_files import Journal, journal_path, jsonl, write_atomically
     from paxkv.entrypoints.resume import merge
     from paxkv.parallel.distributed import any_process
 
-    enable_compilation_cache(FLAGS.compilation_cache_dir)
-    try:
-        engine = load_engine(FLAGS.model, engine_config, load_config)
-    except (CheckpointError, ValueError) as e:
-        sys.exit(f"paxkv: {e}")
+    engine = start_command_line_engine(FLAGS.model, engine_config, load_config, FLAGS.compilation_cache_dir)
     loaded = engine.loaded
     num_pages, page_size = engine.scheduler.num_total_pages, engine_config.page_size
     if leader:

@@ -58,11 +58,9 @@ def serve(usage_error) -> None:
         )
     import uvicorn
 
-    from models import CheckpointError
     from paxkv.config import EngineConfig, LoadConfig
-    from paxkv.entrypoints.compilation_cache import enable_compilation_cache
     from paxkv.entrypoints.config_flags import config_from_flags, parse_memory_size
-    from paxkv.entrypoints.engine_loading import load_engine
+    from paxkv.entrypoints.engine_loading import start_command_line_engine
     from paxkv.serving.api_server import ServerConfig, build_app
     from paxkv.serving.engine_loop import EngineLoop
 
@@ -74,11 +72,7 @@ def serve(usage_error) -> None:
         usage_error(str(e))
     if load_config.skip_tokenizer_init:
         usage_error("serve needs the model's tokenizer (for text and chat); drop --skip_tokenizer_init")
-    enable_compilation_cache(FLAGS.compilation_cache_dir)
-    try:
-        engine = load_engine(FLAGS.model, engine_config, load_config)
-    except (CheckpointError, ValueError) as e:
-        sys.exit(f"paxkv: {e}")
+    engine = start_command_line_engine(FLAGS.model, engine_config, load_config, FLAGS.compilation_cache_dir)
     loaded = engine.loaded
     config = ServerConfig(
         model_name=served_model_name(FLAGS.model or loaded.source),
