@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from paxkv.execution.step_inputs import power_of_two_buckets
 from paxkv.scheduling import replica_scheduler
 from paxkv.scheduling.page_allocator import PageAllocator
 from paxkv.scheduling.replica_scheduler import ReplicaScheduler
@@ -38,11 +39,6 @@ def make_scheduler(
         eos_token_ids=(EOS,),
         step_sizes=step_sizes,
     )
-
-
-def powers_of_two(maximum: int) -> list[int]:
-    """1, 2, 4, ... up to the power of two at or above maximum: the step sizes the model runner pads to."""
-    return [1 << i for i in range(max(0, maximum - 1).bit_length() + 1)]
 
 
 def make_request(request_id, num_prompt_tokens, **sampling):
@@ -240,7 +236,11 @@ def test_a_step_just_past_a_step_size_is_trimmed_to_it():
     """300 prompt tokens would pad to 512: they run as 256 and then 44, the request holding only the pages of its
     first chunk in between, and the output is the untrimmed one."""
     scheduler = make_scheduler(
-        num_pages=128, page_size=16, max_num_batched_tokens=512, max_model_len=1024, step_sizes=powers_of_two(512)
+        num_pages=128,
+        page_size=16,
+        max_num_batched_tokens=512,
+        max_model_len=1024,
+        step_sizes=power_of_two_buckets(512),
     )
     request = make_request("p", 300, max_tokens=3, ignore_eos=True)
     scheduler.add_request(request)
@@ -259,7 +259,11 @@ def test_the_newest_chunks_give_up_the_tokens_and_decodes_keep_theirs():
     """Three decodes and two new prompts (3 + 100 + 40 = 143 tokens) run as 128: the newest prompt gives up its
     tokens but one; a step too far past a size (here 324 of 512), or below MIN_FITTED_STEP_SIZE, is left alone."""
     scheduler = make_scheduler(
-        num_pages=256, page_size=16, max_num_batched_tokens=512, max_model_len=1024, step_sizes=powers_of_two(512)
+        num_pages=256,
+        page_size=16,
+        max_num_batched_tokens=512,
+        max_model_len=1024,
+        step_sizes=power_of_two_buckets(512),
     )
     model = FakeModel()
     for index in range(3):
@@ -276,7 +280,7 @@ def test_the_newest_chunks_give_up_the_tokens_and_decodes_keep_theirs():
     batch, _ = run_step(scheduler, model)  # d0-d2, the rest of b (15) and c: 339 tokens, over 256 + 64
     assert batch.num_batched_tokens == 3 + 15 + 321
 
-    small = make_scheduler(num_pages=64, page_size=4, max_num_batched_tokens=64, step_sizes=powers_of_two(64))
+    small = make_scheduler(num_pages=64, page_size=4, max_num_batched_tokens=64, step_sizes=power_of_two_buckets(64))
     small.add_request(make_request("s", 36, max_tokens=1))  # 36 would pad to 64, but 32 is below the minimum
     assert small.schedule().num_batched_tokens == 36
 
@@ -450,7 +454,7 @@ def test_random_workloads_finish_with_consistent_pages(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=64,
-        step_sizes=powers_of_two(max_num_batched_tokens) if fit_step_sizes else (),
+        step_sizes=power_of_two_buckets(max_num_batched_tokens) if fit_step_sizes else (),
     )
     abort_steps = collections.defaultdict(list)
     for step, index in aborts:

@@ -4,6 +4,7 @@ inside accepted drafts, and 10k random operations with every page accounted for.
 import numpy as np
 import pytest
 
+from paxkv.execution.step_inputs import power_of_two_buckets
 from paxkv.scheduling import replica_scheduler
 from paxkv.scheduling.page_allocator import PageAllocator
 from paxkv.scheduling.prefix_trie import PrefixTrie
@@ -163,7 +164,7 @@ def test_random_speculative_steps_keep_every_page_accounted_for_and_the_output_e
         eos_token_ids=[EOS],
         prefix_trie=PrefixTrie(allocator, page_size),
         drafter=RandomDrafter(rng, k=5, hit=0.6),
-        step_sizes=[1, 2, 4, 8, 16, 32] if fit_step_sizes else (),
+        step_sizes=power_of_two_buckets(24) if fit_step_sizes else (),
     )
     requests, kv, operations = [], {}, 0
     while operations < 10_000:
@@ -219,7 +220,7 @@ def test_a_step_is_fitted_to_its_size_around_its_drafts():
         max_model_len=1024,
         eos_token_ids=[0],
         drafter=FixedDrafter([5, 6]),
-        step_sizes=[1 << i for i in range(10)],
+        step_sizes=power_of_two_buckets(512),
     )
     scheduler.add_request(Request("r", [1, 2, 3], SamplingParams(max_tokens=20)))
     scheduler.update(scheduler.schedule(), {"r": 4})
