@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paxkv.execution.step_inputs import power_of_two_buckets
-from paxkv.scheduling import replica_scheduler
+from paxkv.scheduling import step_fitting
 from paxkv.scheduling.page_allocator import PageAllocator
 from paxkv.scheduling.replica_scheduler import ReplicaScheduler
 from paxkv.scheduling.request import Request, RequestStatus
@@ -463,7 +463,7 @@ def test_random_workloads_finish_with_consistent_pages(
     max_num_steps = 7 + sum(r.num_prompt_tokens + 2 * r.sampling_params.max_tokens for r in requests)
     model, aborted = FakeModel(), set()
     # Steps this small are never trimmed at the shipped minimum size: fit them down to 2 tokens.
-    with mock.patch.object(replica_scheduler, "MIN_FITTED_STEP_SIZE", 2):
+    with mock.patch.object(step_fitting, "MIN_FITTED_STEP_SIZE", 2):
         for step in range(max_num_steps + 1):
             for request in arrivals.get(step, []):
                 scheduler.add_request(request)

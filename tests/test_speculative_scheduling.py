@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from paxkv.execution.step_inputs import power_of_two_buckets
-from paxkv.scheduling import replica_scheduler
+from paxkv.scheduling import step_fitting
 from paxkv.scheduling.page_allocator import PageAllocator
 from paxkv.scheduling.prefix_trie import PrefixTrie
 from paxkv.scheduling.replica_scheduler import ReplicaScheduler
@@ -150,7 +150,7 @@ def test_random_speculative_steps_keep_every_page_accounted_for_and_the_output_e
     its holders, and at the end no page leaks and every request's output is the one plain decoding gives."""
     from test_replica_scheduler import EOS, check_state, fake_token
 
-    monkeypatch.setattr(replica_scheduler, "MIN_FITTED_STEP_SIZE", 2)  # these steps are far below the shipped 64
+    monkeypatch.setattr(step_fitting, "MIN_FITTED_STEP_SIZE", 2)  # these steps are far below the shipped 64
 
     rng = np.random.default_rng(0)
     page_size, max_model_len = 4, 48

@@ -13,14 +13,11 @@ from paxkv.scheduling.request import Request, RequestStatus
 from paxkv.scheduling.request_checks import check_fits_replica, check_positive_integers
 from paxkv.scheduling.request_pages import RequestPages
 from paxkv.scheduling.scheduled_batch import ReplicaBatch, ScheduledSequence, StepOutcome
+from paxkv.scheduling.step_fitting import fit_to_step_size
 from paxkv.scheduling.stopping import append_tokens
 from paxkv.scheduling.swap_slots import HostSlotAllocator
 
 logger = logging.getLogger(__name__)
-
-
-# The smallest step size _fit_step_size trims a step down to.
-MIN_FITTED_STEP_SIZE = 64
 
 
 def _run_order(request: Request) -> tuple[int, int]:
@@ -48,22 +45,20 @@ class ReplicaScheduler:
         drafter=None,
         step_sizes: Sequence[int] = (),
     ):
-        """Creates a scheduler that hands out pages of `allocator`.
-
-        Args:
-          allocator: the page pool; the scheduler is its only user.
-          page_size: tokens per page.
-          max_num_seqs: the most sequences in one step (and running at once).
-          max_num_batched_tokens: the most new tokens in one step, prefill chunks and decodes together.
-          max_model_len: the most tokens (prompt plus output) one request may reach.
-          eos_token_ids: tokens that stop a request unless its sampling params say ignore_eos.
-          prefix_trie: a prefix cache over the same allocator, or None for no caching.
-          swap_slots: the host pool's free list, or None for no swapping.
-          preemption: chooses recompute or swap per victim; None means recompute.
-          watermark_pages: pages admission leaves free (while anything runs), against immediate preemption.
-          drafter: proposes speculative drafts for decoding requests (paxkv.speculation.drafter), or None.
-          step_sizes: the token counts the model runner pads a step to, ascending; with them, a step whose prefill
-            chunks would pad it far up to the next size is trimmed to the size below (_fit_step_size).
+        """Args:
+        allocator: the page pool, which this scheduler hands out; its only user.
+        page_size: tokens per page.
+        max_num_seqs: the most sequences in one step (and running at once).
+        max_num_batched_tokens: the most new tokens in one step, prefill chunks and decodes together.
+        max_model_len: the most tokens (prompt plus output) one request may reach.
+        eos_token_ids: tokens that stop a request unless its sampling params say ignore_eos.
+        prefix_trie: a prefix cache over the same allocator, or None for no caching.
+        swap_slots: the host pool's free list, or None for no swapping.
+        preemption: chooses recompute or swap per victim; None means recompute.
+        watermark_pages: pages admission leaves free (while anything runs), against immediate preemption.
+        drafter: proposes speculative drafts for decoding requests (paxkv.speculation.drafter), or None.
+        step_sizes: the token counts the model runner pads a step to, ascending; with them, a step whose prefill
+          chunks would pad it far up to the next size is trimmed to the size below (step_fitting.fit_to_step_size).
         """
         check_positive_integers(
             page_size=page_size,
@@ -206,8 +201,8 @@ class ReplicaScheduler:
 
         if self.drafter is not None and token_budget > 0:
             token_budget -= self._add_drafts(sequences, token_budget)
-        token_budget += self._fit_step_size(sequences, self.max_num_batched_tokens - token_budget)
         num_batched_tokens = self.max_num_batched_tokens - token_budget
+        num_batched_tokens -= fit_to_step_size(sequences, num_batched_tokens, self.step_sizes, self.pages)
         return ReplicaBatch(
             sequences=sequences,
             num_batched_tokens=num_batched_tokens,
@@ -362,36 +357,6 @@ class ReplicaScheduler:
         if self.prefix_trie is not None:
             self.prefix_trie.evict(num_pages + reserve - self.allocator.num_free_pages)
         return self.allocator.can_allocate(num_pages + reserve)
-
-    def _fit_step_size(self, sequences: list[ScheduledSequence], num_tokens: int) -> int:
-        """Shorten the newest prefill chunks so that a step just past a step size runs at that size instead of
-        padding up to the next one; return how many tokens it took out (they run in a later step).
-
-        The model runner pads a step's T tokens to a power of two, so 300 prompt tokens cost as much as 512. Taking
-        the step down to 256 costs one more, smaller step later (300 as 256 + 44, padded to 256 + 64). That pays
-        where few tokens move and the sizes are far apart: at most a quarter of the gap moves, and the size below
-        is at least MIN_FITTED_STEP_SIZE (below it a step's fixed cost outweighs the padding).
-
-        Args:
-          sequences: the step's sequences, drafts included (sequences with drafts keep all their tokens);
-            re-planned in place.
-          num_tokens: the tokens they run.
-        """
-        padded = next((size for size in self.step_sizes if size >= num_tokens), None)
-        lower = max((size for size in self.step_sizes if size < num_tokens), default=None)
-        if padded is None or lower is None or lower < MIN_FITTED_STEP_SIZE:
-            return 0
-        excess = num_tokens - lower
-        trimmable = [0 if s.num_draft_tokens else s.num_new_tokens - 1 for s in sequences]
-        if excess > (padded - lower) // 4 or excess > sum(trimmable):
-            return 0
-        for index in reversed(range(len(sequences))):  # the newest admissions, then the running chunks
-            sequence = sequences[index]
-            cut = min(trimmable[index], excess)
-            if cut > 0:
-                sequences[index] = self.pages.shrink(sequence, sequence.num_new_tokens - cut)
-                excess -= cut
-        return num_tokens - lower
 
     def _add_drafts(self, sequences: list[ScheduledSequence], token_budget: int) -> int:
         """Give the decoding sequences the drafts the drafter approves, within the token budget and the free pages
