@@ -37,14 +37,19 @@ class SpeculativeConfig:
 
     method: str = option(
         "none",
-        "Speculative decoding: ngram (prompt lookup: drafts copied from earlier in the prompt and output), or none.",
+        "Speculative decoding: ngram (prompt lookup: drafts copied from earlier in the prompt and output), "
+        "draft_model (a smaller model with the same vocabulary drafts greedily; --speculative_model), or none.",
         flag="speculative_method",
         choices=SPECULATIVE_METHODS,
     )
     num_speculative_tokens: int = option(4, "Most draft tokens per request and step.")
     prompt_lookup_max: int = option(4, "ngram: the longest suffix matched against earlier tokens.")
     prompt_lookup_min: int = option(1, "ngram: the shortest suffix matched.")
-    model: str | None = option(None, "draft_model: the draft model's checkpoint.", flag="speculative_model")
+    model: str | None = option(
+        None,
+        "draft_model: the draft model's checkpoint (an HF folder, .gguf file or orbax folder), loaded like the target.",
+        flag="speculative_model",
+    )
     adaptive: bool = option(
         True,
         "Draft every proposed token even where the measured acceptance and step costs say it slows the batch.",
@@ -55,8 +60,15 @@ class SpeculativeConfig:
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
-        if self.method == "draft_model":
-            raise ValueError("speculative method 'draft_model' is not available in this version; use method='ngram'")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError(
+                "speculative method 'draft_model' needs the draft's checkpoint: give model=PATH (--speculative_model)"
+            )
+        if self.method != "draft_model" and self.model:
+            raise ValueError(
+                f"a speculative model ({self.model!r}) is only used by method='draft_model', not {self.method!r}; "
+                "set method='draft_model' or drop model"
+            )
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -133,6 +133,27 @@ def loaded(engine_llama_checkpoint):
     return models.load(engine_llama_checkpoint, require_tokenizer=False)
 
 
+@pytest.fixture(scope="module")
+def truncated_draft(engine_llama_checkpoint, tmp_path_factory):
+    """A draft model for the engine tests' tiny Llama: its first layer alone (with its embedding, final norm and
+    lm_head), saved by transformers. It agrees with the target on a few tokens only, so its drafts are mostly
+    rejected and sometimes accepted."""
+    import transformers
+
+    target = transformers.LlamaForCausalLM.from_pretrained(engine_llama_checkpoint)
+    config = transformers.LlamaConfig.from_pretrained(engine_llama_checkpoint, num_hidden_layers=1)
+    draft = transformers.LlamaForCausalLM(config)
+    draft.load_state_dict(target.state_dict(), strict=False)  # layer 1's weights have no place in it
+    path = tmp_path_factory.mktemp("truncated_draft")
+    draft.save_pretrained(path)
+    return str(path)
+
+
+def _draft_model(path, **overrides) -> dict:
+    """A draft_model speculative config with every proposal drafted (no adaptive budget)."""
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": 4, "adaptive": False, **overrides}
+
+
 def _prompts() -> list[list[int]]:
     """32 prompts that repeat a phrase (so drafts come up), of mixed lengths."""
     rng = np.random.default_rng(1)
@@ -205,7 +226,41 @@ def test_greedy_output_is_unchanged_by_speculation(loaded, greedy_reference, pre
     assert engine.num_compilations <= engine.max_step_programs
 
 
-def test_seeded_samples_and_an_8_bit_pool_are_unchanged_by_speculation(loaded):
+def test_a_draft_model_leaves_greedy_output_unchanged_through_swaps_and_the_prefix_cache(
+    loaded, greedy_reference, truncated_draft
+):
+    """A draft model (the target's first layer) drafting for 32 prompts, preempted by swap, with prefix caching:
+    the same tokens and logprobs, drafts both accepted and rejected, every page accounted for."""
+    speculated, engine = _generate(loaded, _draft_model(truncated_draft), preemption_mode="swap")
+    _assert_same_output(speculated, greedy_reference)
+    metrics = engine.metrics
+    assert 0 < metrics.num_accepted_draft_tokens < metrics.num_draft_tokens
+    assert metrics.num_preemptions_swap > 0
+    # The draft's layers ride in the target's pages: the pool holds both, page for page.
+    assert len(engine.kv_caches) == loaded.config.num_layers + 1
+    assert engine.kv_caches[-1].shape[0] == engine.kv_caches[0].shape[0]
+
+
+def test_the_target_as_its_own_draft_has_every_draft_accepted(engine_llama_checkpoint, loaded, greedy_reference):
+    """Drafting with the target's own weights, every draft is the target's next token, and so stands, if and only if
+    the draft's KV covers exactly the tokens the target's does: through prefill chunks, preemption by recompute,
+    prefix-cache hits and rolled-back positions."""
+    speculated, engine = _generate(loaded, _draft_model(engine_llama_checkpoint), preemption_mode="recompute")
+    _assert_same_output(speculated, greedy_reference)
+    metrics = engine.metrics
+    assert metrics.num_draft_tokens > 200 and metrics.num_accepted_draft_tokens == metrics.num_draft_tokens
+    assert metrics.num_preemptions_recompute > 0
+    # In a pool that keeps them, the prompts' full pages serve the same prompts again, with the draft's KV in them.
+    _, engine = _generate(loaded, _draft_model(engine_llama_checkpoint), num_prompts=8, num_pages=400)
+    for index, prompt in enumerate(_prompts()[:8]):
+        engine.add_request(f"again{index}", prompt, _greedy(index))
+    again = {key: output.outputs[0].token_ids for key, output in drain(engine).items()}
+    assert again == {f"again{i}": greedy_reference[str(i), 0][0] for i in range(8)}
+    metrics = engine.metrics
+    assert metrics.prefix_hit_tokens > 0 and metrics.num_accepted_draft_tokens == metrics.num_draft_tokens
+
+
+def test_seeded_samples_and_an_8_bit_pool_are_unchanged_by_speculation(loaded, truncated_draft):
     """Sampling (top-p, a seed per request) with n = 2 forks sharing pages by copy-on-write, over an int8 pool."""
 
     def sampled(index: int) -> SamplingParams:
@@ -213,9 +268,10 @@ def test_seeded_samples_and_an_8_bit_pool_are_unchanged_by_speculation(loaded):
 
     config = dict(kv_cache_dtype="int8", num_prompts=6)
     plain, _ = _generate(loaded, None, sampled, **config)
-    speculated, engine = _generate(loaded, {**NGRAM, "adaptive": False}, sampled, **config)
-    _assert_same_output(speculated, plain, num_prompts=6)
-    assert engine.metrics.num_draft_tokens > 0
+    for speculative in ({**NGRAM, "adaptive": False}, _draft_model(truncated_draft)):
+        speculated, engine = _generate(loaded, speculative, sampled, **config)
+        _assert_same_output(speculated, plain, num_prompts=6)
+        assert engine.metrics.num_draft_tokens > 0, speculative
 
 
 def test_speculation_from_the_python_api(engine_llama_checkpoint):
@@ -229,17 +285,34 @@ def test_speculation_from_the_python_api(engine_llama_checkpoint):
     assert len(output.outputs[0].token_ids) == 12
     with pytest.raises(ValueError, match="unknown keys \\['num_tokens'\\]"):
         EngineConfig(speculative_config={"method": "ngram", "num_tokens": 3})
-    with pytest.raises(ValueError, match="'draft_model' is not available in this version; use method='ngram'"):
-        EngineConfig(speculative_config={"method": "draft_model", "model": "x"})
+    with pytest.raises(ValueError, match="'draft_model' needs the draft's checkpoint: give model=PATH"):
+        EngineConfig(speculative_config={"method": "draft_model"})
+    with pytest.raises(ValueError, match="only used by method='draft_model', not 'ngram'"):
+        EngineConfig(speculative_config={**NGRAM, "model": "x"})
     with pytest.raises(ValueError, match="num_speculative_tokens must be a positive integer"):
         SpeculativeConfig(method="ngram", num_speculative_tokens=0)
     with pytest.raises(ValueError, match="do not fit one step of max_num_batched_tokens=4; lower num_speculative"):
         EngineConfig(max_num_batched_tokens=4, speculative_config=NGRAM)
 
 
-def test_a_stop_string_inside_the_accepted_drafts_ends_the_text_where_plain_decoding_does(word_level_llama):
+def test_a_draft_model_that_cannot_draft_is_refused_with_the_fix(loaded, tiny_llama_checkpoint, tmp_path):
+    """Another vocabulary, a missing checkpoint, a shorter context and a pool too small with the draft's KV beside
+    the target's each raise a ValueError that names the fix, before any request runs."""
+    cases = [
+        (_draft_model(tiny_llama_checkpoint(vocab_size=16)), {}, "vocabulary of 16 tokens and the target 256"),
+        (_draft_model(tmp_path / "missing"), {}, "speculative draft model .*missing"),
+        (_draft_model(tiny_llama_checkpoint()), {}, "context of 128 tokens, shorter than max_model_len=512"),
+        (_draft_model(tiny_llama_checkpoint()), {"max_model_len": 128, "num_pages": 4}, "holds the draft model's KV"),
+    ]
+    for speculative, config, message in cases:
+        with pytest.raises(ValueError, match=message):
+            Engine(loaded, EngineConfig(**config, speculative_config=speculative))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_a_stop_string_inside_the_accepted_drafts_ends_the_text_where_plain_decoding_does(word_level_llama, method):
     """A stop string completed by an accepted draft cuts the text and drops the step's later tokens, as plain
-    decoding, which never sampled them, would have it."""
+    decoding, which never sampled them, would have it (the draft model is the target itself: every draft stands)."""
     loaded = models.load(word_level_llama)
     prompt = ([233, 130, 156, 248, 187] * 7)[:32]  # greedy continues 218 51 218 93, then 223 over and over
     stop = " ".join([loaded.tokenizer.decode([223])] * 5)
@@ -259,7 +332,7 @@ def test_a_stop_string_inside_the_accepted_drafts_ends_the_text_where_plain_deco
         return (completion.text, completion.token_ids, completion.finish_reason, completion.stop_reason), cuts
 
     plain, plain_cuts = run(None)
-    speculated, cuts = run({**NGRAM, "adaptive": False})
+    speculated, cuts = run({**NGRAM, "adaptive": False} if method == "ngram" else _draft_model(word_level_llama))
     assert plain[1] == [218, 51, 218, 93, 223, 223, 223, 223, 223] and plain[2:] == ("stop", stop)
     assert speculated == plain
     assert plain_cuts == [None] and cuts == [9]  # the step had drafts after the ninth token: they were dropped
@@ -273,19 +346,24 @@ def test_speculation_on_two_data_replicas(engine_llama_checkpoint, greedy_refere
 
     mesh = make_mesh("data=2,model=1", jax.devices()[:2])
     replicated = models.load(engine_llama_checkpoint, mesh=mesh, require_tokenizer=False)
-    speculated, engine = _generate(replicated, {**NGRAM, "adaptive": False}, num_prompts=6, mesh_shape="data=2,model=1")
-    _assert_same_output(speculated, greedy_reference, num_prompts=6)
-    assert engine.pool.num_replicas == 2 and engine.metrics.num_accepted_draft_tokens > 0
+    for speculative in ({**NGRAM, "adaptive": False}, _draft_model(engine_llama_checkpoint)):
+        speculated, engine = _generate(replicated, speculative, num_prompts=6, mesh_shape="data=2,model=1")
+        _assert_same_output(speculated, greedy_reference, num_prompts=6)
+        assert engine.pool.num_replicas == 2 and engine.metrics.num_accepted_draft_tokens > 0, speculative
 
 
-def test_sampled_tokens_after_rejected_drafts_follow_the_models_distribution(tiny_llama_checkpoint):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampled_tokens_after_rejected_drafts_follow_the_models_distribution(tiny_llama_checkpoint, method):
     """1000 seeded samples after a fixed prefix, on a 16-token vocabulary and near-uniform logits, so
     nearly every draft for the second token is rejected: its empirical distribution matches the model's own
-    p(t2) = sum over t1 of p(t1) p(t2 | t1) by a chi-square test at significance 0.001 (and so does t1's)."""
+    p(t2) = sum over t1 of p(t1) p(t2 | t1) by a chi-square test at significance 0.001 (and so does t1's).
+    The draft model is another random model of the same vocabulary: it disagrees with the target most of the time."""
     from scipy import stats
 
     vocab = 16
     loaded = models.load(tiny_llama_checkpoint(vocab_size=vocab, initializer_range=0.2), require_tokenizer=False)
+    draft = tiny_llama_checkpoint(seed=1, vocab_size=vocab, initializer_range=0.2)
+    speculative = {**NGRAM, "adaptive": False} if method == "ngram" else _draft_model(draft)
     prefix = list(range(vocab)) * 2  # every token recurs, so prompt lookup always drafts the second token
     engine = Engine(
         loaded,
@@ -294,7 +372,7 @@ def test_sampled_tokens_after_rejected_drafts_follow_the_models_distribution(tin
             page_size=8,
             max_num_seqs=128,
             max_num_batched_tokens=1024,  # room for the drafts beside 128 prompt tails
-            speculative_config={**NGRAM, "adaptive": False},
+            speculative_config=speculative,
         ),
     )
     num_samples = 1000

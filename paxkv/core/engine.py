@@ -16,6 +16,7 @@ from paxkv.config import EngineConfig
 from paxkv.core.metrics import EngineMetrics
 from paxkv.core.output_processor import OutputProcessor
 from paxkv.core.outputs import RequestOutput
+from paxkv.execution.draft_proposer import load_draft_model
 from paxkv.execution.kv_pool import KVPool
 from paxkv.execution.model_runner import ModelRunner
 from paxkv.execution.step import num_step_compilations
@@ -46,10 +47,11 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.max_model_len = config.context_length(loaded.config.max_position_embeddings)
         self.mesh = engine_mesh(loaded, config.mesh_shape)
-        self.pool = KVPool(loaded.config, config, loaded.model.compute_dtype, self.mesh)
-        pool = self.pool
-        self.preemption = PreemptionPolicy(pool.preemption_mode, pool.bytes_per_page, pool.num_host_slots)
         speculative = config.speculative_config
+        draft = load_draft_model(speculative, loaded, self.mesh, self.max_model_len)  # None unless draft_model
+        draft_config = draft.config if draft is not None else None
+        self.pool = pool = KVPool(loaded.config, config, loaded.model.compute_dtype, self.mesh, draft_config)
+        self.preemption = PreemptionPolicy(pool.preemption_mode, pool.bytes_per_page, pool.num_host_slots)
         if speculative is not None and speculative.adaptive and jax.process_count() > 1:
             # Every process must plan the same batches, and step times differ between hosts: use none of them.
             logger.warning("adaptive speculation decides from local step times; with %d processes it drafts "
@@ -72,7 +74,7 @@ class Engine:
             step_sizes=power_of_two_buckets(config.max_num_batched_tokens),
         )
         self.runner = ModelRunner(
-            loaded, pool, self.preemption, config, max_model_len=self.max_model_len, mesh=self.mesh
+            loaded, pool, self.preemption, config, max_model_len=self.max_model_len, mesh=self.mesh, draft=draft
         )
         self.outputs = OutputProcessor(loaded.tokenizer, loaded.generation_config.eos_token_ids, config.seed)
         self.metrics = EngineMetrics(num_total_pages=self.scheduler.num_total_pages, page_size=config.page_size)
@@ -81,7 +83,7 @@ class Engine:
 
     @property
     def kv_caches(self):
-        """The device page pool, one entry per layer (replaced after every step)."""
+        """The device page pool, one entry per layer, a draft model's after the target's (replaced every step)."""
         return self.pool.kv_caches
 
     @property
@@ -143,6 +145,7 @@ class Engine:
         self.outputs.scheduled(batch, start)
         peak_pages = self.scheduler.num_request_pages  # before finished requests free theirs
         sampled = self.runner.run(batch, self.outputs.seed_of)
+        batch = sampled.batch  # as it ran: a draft model's drafts filled in
         # Each sequence's emitted candidates: its one sampled token, or its accepted drafts and one more.
         emitted = {
             sequence.request.request_id: sampled.emitted(index)

@@ -104,10 +104,19 @@ class KVPool:
     """The device page pool of an engine, sized from its config: D >= 1 equal partitions (one per data replica, each
     with its null page), allocated on the mesh, and the host swap space for preemption by swap.
 
-    `kv_caches` is replaced after every step (the step donates it).
+    `kv_caches` is replaced after every step (the step donates it). With a speculative draft model, its layers
+    follow the target's in `kv_caches`: a page holds both models' KV of the same tokens, so one block table, one
+    allocation and every page move (swap, copy-on-write) serve both.
     """
 
-    def __init__(self, model_config: models.ModelConfig, config: EngineConfig, activation_dtype, mesh: Mesh | None):
+    def __init__(
+        self,
+        model_config: models.ModelConfig,
+        config: EngineConfig,
+        activation_dtype,
+        mesh: Mesh | None,
+        draft_config: models.ModelConfig | None = None,
+    ):
         """Size and allocate the pool; raise ValueError naming the fix when it cannot hold the budgets.
 
         Args:
@@ -115,13 +124,18 @@ class KVPool:
           config: page size, pool size (num_pages or kv_cache_memory_bytes), max_num_seqs, KV dtype, swap space.
           activation_dtype: the model's compute dtype (the KV dtype of kv_cache_dtype="auto").
           mesh: the engine's mesh, or None for one device.
+          draft_config: a speculative draft model whose KV the pages hold too, or None.
         """
         self.page_size = config.page_size
         self.dtype = kv_storage_dtype(config.kv_cache_dtype, activation_dtype)
-        shape = (model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, self.dtype, self.page_size)
-        num_groups = num_scale_groups(model_config.num_kv_heads, mesh)
-        self.bytes_per_page = kv_bytes_per_page(*shape, num_groups)
-        self.bytes_per_token = kv_bytes_per_token(*shape, num_groups)
+        self.num_target_layers = model_config.num_layers
+        models_in_pool = [model_config] + ([draft_config] if draft_config is not None else [])
+        self.bytes_per_page = 0
+        for pooled in models_in_pool:
+            shape = (pooled.num_layers, pooled.num_kv_heads, pooled.head_dim, self.dtype, self.page_size)
+            self.bytes_per_page += kv_bytes_per_page(*shape, num_scale_groups(pooled.num_kv_heads, mesh))
+        per_token = self.bytes_per_page / self.page_size
+        self.bytes_per_token = int(per_token) if per_token.is_integer() else per_token
         num_pages = config.num_pages or config.kv_cache_memory_bytes // self.bytes_per_page
         self.preemption_mode = config.preemption_mode
         if jax.process_count() > 1:
@@ -136,13 +150,18 @@ class KVPool:
                 else f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} ({self.num_pages} pages)"
             )
             per_replica = f" per data replica (of {self.num_replicas})" if self.num_replicas > 1 else ""
+            draft = " (each page holds the draft model's KV too)" if draft_config is not None else ""
             raise ValueError(
-                f"{source} leaves {max(self.pages_per_replica - 1, 0)} usable pages{per_replica} (page 0 is "
+                f"{source} leaves {max(self.pages_per_replica - 1, 0)} usable pages{per_replica}{draft} (page 0 is "
                 f"reserved), too few to hold even one page for each of max_num_seqs={config.max_num_seqs} "
                 "sequences; raise num_pages or kv_cache_memory_bytes, or lower max_num_seqs"
             )
         try:
-            self.kv_caches = allocate_pool(model_config, self.num_pages, self.page_size, self.dtype, mesh)
+            self.kv_caches = [
+                layer
+                for pooled in models_in_pool
+                for layer in allocate_pool(pooled, self.num_pages, self.page_size, self.dtype, mesh)
+            ]
         except (RuntimeError, MemoryError) as e:  # XLA reports a failed allocation as a RuntimeError
             raise ValueError(
                 f"cannot allocate the KV page pool ({self.num_pages} pages, {self.total_bytes / 2**30:.2f} GiB): "

@@ -13,6 +13,7 @@ from models.paged_forward import bucket
 from pallas_kernels import pages_for
 from paxkv.config import EngineConfig
 from paxkv.execution.aot import AbstractEngine, check_step_fits, compile_step, device_memory, step_buckets
+from paxkv.execution.draft_proposer import DraftModelProposer
 from paxkv.execution.kv_pool import KVPool
 from paxkv.execution.step import SampledTokens, StepBatch, copy_pages, page_copy_arrays, run_step, static_graph
 from paxkv.execution.step_arguments import build_step_batch, empty_step_batch
@@ -37,9 +38,10 @@ class LiveRows:
 
         Args:
           sampled: the step's SampledTokens, every leaf [D, S + R, ...] (num_accepted [D, S]).
-          batch: the step's batch.
+          batch: the step's batch, as it ran.
           num_rows, num_draft_rows: S and R, the padded row counts of every replica.
         """
+        self.batch = batch  # the batch as it ran (a draft model's drafts filled in)
         self._sampled, self._fields = sampled, {}
         rows, self._offsets, self._num_drafts, live = [], [], [], []
         width = num_rows + num_draft_rows
@@ -95,6 +97,7 @@ class ModelRunner:
         *,
         max_model_len: int,
         mesh,
+        draft: models.LoadedModel | None = None,
     ):
         """Args:
         loaded: the model.
@@ -103,9 +106,21 @@ class ModelRunner:
         config: the engine's budgets.
         max_model_len: the context, which sets the block-table width.
         mesh: the engine's mesh, or None for one device.
+        draft: a speculative draft model, whose layers follow the target's in the pool, or None.
         """
         self.loaded, self.pool, self.preemption, self.config, self.mesh = loaded, pool, preemption, config, mesh
         self.pages_per_seq = pages_for(max_model_len, config.page_size)
+        self.draft = None
+        if draft is not None:
+            self.draft = DraftModelProposer(
+                draft,
+                config.speculative_config.num_speculative_tokens,
+                page_size=config.page_size,
+                pages_per_seq=self.pages_per_seq,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                mesh=mesh,
+            )
         self._graph = static_graph(loaded.graphdef)
         # (T bucket, S bucket, penalties?, suppress?, logprobs?, R draft rows): each one a (forward, sampling) pair,
         # the forward's program keyed by (T, S, R) and the sampling's by (S, R, penalties?, suppress?, logprobs?).
@@ -142,6 +157,9 @@ class ModelRunner:
         """
         self.move_pages(batch)
         start = time.monotonic()
+        if self.draft is not None:  # the draft model runs first: its drafts fill the scheduler's placeholders
+            batch, draft_layers = self.draft.fill(batch, self.draft_layers)
+            self.pool.kv_caches = self.target_layers + draft_layers
         step_batch, with_logprobs = self.step_batch(batch, seed_of)
         inputs = step_batch.inputs
         num_tokens, num_rows = inputs.tokens.shape[-1], inputs.logits_indices.shape[-1]
@@ -151,9 +169,10 @@ class ModelRunner:
         self.last_step_compiled = self._record(shape)
         # Under the mesh, a Pallas kernel runs per model shard (models.sharding.attention_on_mesh).
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            sampled, self.pool.kv_caches = run_step(
-                self._graph, self.loaded.state, self.pool.kv_caches, step_batch, with_logprobs
+            sampled, target_layers = run_step(
+                self._graph, self.loaded.state, self.target_layers, step_batch, with_logprobs
             )
+        self.pool.kv_caches = target_layers + self.draft_layers
         if batch.num_batched_tokens >= self.config.max_num_batched_tokens // 2:  # mostly prefill: a rate to plan by
             jax.block_until_ready(sampled.tokens)
             self.preemption.observe_prefill(batch.num_batched_tokens, time.monotonic() - start)
@@ -178,10 +197,21 @@ class ModelRunner:
                 vocab_size=self.loaded.config.vocab_size,
             )
             with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-                sampled, self.pool.kv_caches = run_step(self._graph, self.loaded.state, self.pool.kv_caches, step_batch)
+                sampled, target_layers = run_step(self._graph, self.loaded.state, self.target_layers, step_batch)
+            self.pool.kv_caches = target_layers + self.draft_layers
             jax.block_until_ready(sampled.tokens)
             self._record((num_tokens, num_rows, False, False, False, 0))
         return len(buckets)
+
+    @property
+    def target_layers(self) -> list:
+        """The target model's layers of the pool."""
+        return self.pool.kv_caches[: self.pool.num_target_layers]
+
+    @property
+    def draft_layers(self) -> list:
+        """The draft model's layers of the pool (none without one)."""
+        return self.pool.kv_caches[self.pool.num_target_layers :]
 
     def _record(self, shape: tuple) -> bool:
         """Note a step's shape; whether its forward (T, S, R) or its sampling (S, optional parts, R) was new."""
@@ -220,7 +250,7 @@ class ModelRunner:
         state = AbstractEngine(
             loaded.graphdef,
             loaded.state,
-            self.pool.kv_caches,
+            self.target_layers,
             config.page_size,
             self.pages_per_seq,
             loaded.config.vocab_size,

@@ -97,7 +97,7 @@ def run_step(
     return sampled, kv_caches
 
 
-def _per_replica(body, num_replicas: int, replicated_args, per_replica_args):
+def per_replica(body, num_replicas: int, replicated_args, per_replica_args):
     """Run `body(*replicated_args, *per_replica_args)` on each data replica's own slice of the [D, ...] arrays.
 
     With D > 1 (under jax.set_mesh) shard_map makes "data" manual: each replica sees its own [1, ...] slice, and
@@ -106,12 +106,12 @@ def _per_replica(body, num_replicas: int, replicated_args, per_replica_args):
     """
     if num_replicas == 1:
         return body(*replicated_args, *per_replica_args)
-    per_replica = PartitionSpec("data")
+    split = PartitionSpec("data")
     sharded = jax.shard_map(
         body,
         in_specs=(*(jax.tree.map(lambda _: PartitionSpec(), a) for a in replicated_args),)
-        + (per_replica,) * len(per_replica_args),
-        out_specs=per_replica,
+        + (split,) * len(per_replica_args),
+        out_specs=split,
         axis_names={"data"},
         check_vma=False,
     )
@@ -141,10 +141,10 @@ def forward_step(
             nnx.merge(graph.graphdef, state), local.tokens, local.positions, kv_caches, local.metadata, logits_indices
         )  # f32[S + R, vocab], split over "model" where the lm_head is
         # Sample from whole rows: one all-gather of the logits, not a collective per reduction the sampler makes.
-        return _replicated(logits)[None], kv_caches
+        return replicated(logits)[None], kv_caches
 
     num_replicas = inputs.tokens.shape[0]
-    return _per_replica(replica_forward, num_replicas, (state,), (kv_caches, inputs, draft_indices))
+    return per_replica(replica_forward, num_replicas, (state,), (kv_caches, inputs, draft_indices))
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -167,10 +167,10 @@ def sample_step(
         sampled = _sample_rows(logits[0], local, with_logprobs)
         return jax.tree.map(lambda leaf: leaf[None], sampled)
 
-    return _per_replica(replica_sample, batch.num_replicas, (), (logits, batch))
+    return per_replica(replica_sample, batch.num_replicas, (), (logits, batch))
 
 
-def _replicated(x: jax.Array) -> jax.Array:
+def replicated(x: jax.Array) -> jax.Array:
     """`x` whole on every device of the context mesh's automatic axes; unchanged without a mesh."""
     if jax.sharding.get_abstract_mesh().empty:
         return x

@@ -15,8 +15,14 @@ def can_speculate(request: Request) -> bool:
     return not request.sampling_params.has_penalties and not holds_back_stops(request)
 
 
+# What a draft model's drafts are until the model runner fills them in (paxkv.execution.draft_proposer), after
+# the scheduler has made room for them. Any token would do: verification is exact whatever the drafts are.
+PENDING_DRAFT = 0
+
+
 class Drafter:
-    """Prompt-lookup drafts for the decoding requests of one engine (every replica), and their record."""
+    """Drafts for the decoding requests of one engine (every replica), and their record: prompt-lookup drafts, or
+    placeholders for a draft model's (which runs on the devices, after scheduling)."""
 
     def __init__(self, config: SpeculativeConfig):
         """Args:
@@ -39,6 +45,8 @@ class Drafter:
         num_drafts = min(config.num_speculative_tokens, max_drafts)
         if num_drafts <= 0 or not can_speculate(request):
             return []
+        if config.method == "draft_model":
+            return [PENDING_DRAFT] * num_drafts
         index = self._indexes.get(request.request_id)
         if index is None:
             index = self._indexes[request.request_id] = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)

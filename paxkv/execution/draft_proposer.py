@@ -1,0 +1,246 @@
+"""A draft model's proposals: before each step, a smaller model with the target's vocabulary drafts the tokens the
+step verifies, in one jitted program per step.
+
+The draft keeps its KV in the same pages as the target (its layers follow the target's in the pool), and it runs
+over every token the target runs, so both caches always cover the same positions:
+- first the step's tokens without their drafts (prefill chunks and each decoding row's last token), which writes
+  their draft KV and gives each speculating row its first draft from the last token's logits;
+- then k single-token iterations (a fori_loop) over the speculating rows: iteration j writes the KV of draft j
+  and drafts token j + 1.
+Whatever the verification accepts, the draft KV up to the last accepted token is then valid, exactly as the
+target's is; rejected positions are overwritten by the next step that reaches them.
+
+Drafts are the draft model's greedy tokens, a point mass q: the step's verification (paxkv.execution.verification)
+is then exactly Leviathan et al.'s rejection rule for it, so output keeps the target's distribution.
+"""
+
+import contextlib
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import models
+from models.paged_forward import logits_over_pages
+from pallas_kernels import AttentionMetadata
+from paxkv.config import SpeculativeConfig
+from paxkv.execution.step import StaticGraph, per_replica, replicated, static_graph
+from paxkv.execution.step_inputs import StepInputs, padded_batch_sizes
+from paxkv.parallel.distributed import host_value
+from paxkv.scheduling.scheduled_batch import ReplicaBatch, ScheduledBatch, ScheduledSequence
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ProposingRows:
+    """The rows of a step that speculate (leaves [D, R], R = S the step's row bucket; padding rows draft nothing)."""
+
+    rows: jax.Array  # i32[D, R] each one's row in the step (0 for padding)
+    positions: jax.Array  # i32[D, R] the position of its last token (its drafts follow it)
+    num_drafts: jax.Array  # i32[D, R] how many drafts it wants (0 for padding)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=2)
+def propose_drafts(
+    graph: StaticGraph,
+    state: nnx.State,
+    kv_caches: list,  # the draft's layers of the pool, donated
+    inputs: StepInputs,  # [D, ...] the step's tokens without drafts
+    proposing: ProposingRows,  # [D, R]
+    page_size: int,
+    num_speculative_tokens: int,  # K
+) -> tuple[jax.Array, list]:  # (i32[D, R, K] drafts, kv_caches)
+    """Write the draft KV of the step's tokens and draft up to K greedy tokens for each proposing row."""
+
+    def replica_drafts(state, kv_caches, inputs, proposing):
+        model = nnx.merge(graph.graphdef, state)
+        local = jax.tree.map(lambda leaf: leaf[0], inputs)
+        rows, positions, num_drafts = (leaf[0] for leaf in (proposing.rows, proposing.positions, proposing.num_drafts))
+        logits, kv_caches = logits_over_pages(
+            model, local.tokens, local.positions, kv_caches, local.metadata, local.logits_indices[rows]
+        )  # f32[R, vocab]
+        drafts = jnp.zeros((rows.shape[0], num_speculative_tokens + 1), jnp.int32)  # [R, K + 1]
+        drafts = drafts.at[:, 0].set(jnp.argmax(replicated(logits), axis=-1).astype(jnp.int32))
+        block_tables = local.metadata.block_tables[rows]  # i32[R, P]
+        num_rows = rows.shape[0]
+
+        def draft_one(j, carry):
+            drafts, kv_caches = carry
+            live = j < num_drafts  # bool[R]: the row still drafts (padding never does)
+            position = jnp.where(live, positions + 1 + j, 0)  # draft j's position
+            page = jnp.take_along_axis(
+                block_tables, jnp.minimum(position // page_size, block_tables.shape[1] - 1)[:, None], axis=1
+            )[:, 0]
+            metadata = AttentionMetadata(
+                slots=jnp.where(live, page * page_size + position % page_size, 0),  # rows done write the null page
+                block_tables=block_tables,
+                cu_q_lens=jnp.arange(num_rows + 1, dtype=jnp.int32),
+                kv_lens=position + 1,
+                num_seqs=jnp.full((1,), num_rows, jnp.int32),
+            )
+            tokens = jax.lax.dynamic_slice_in_dim(drafts, j, 1, axis=1)[:, 0]
+            logits, kv_caches = logits_over_pages(
+                model, tokens, position, kv_caches, metadata, jnp.arange(num_rows, dtype=jnp.int32)
+            )
+            following = jnp.argmax(replicated(logits), axis=-1).astype(jnp.int32)[:, None]
+            return jax.lax.dynamic_update_slice_in_dim(drafts, following, j + 1, axis=1), kv_caches
+
+        drafts, kv_caches = jax.lax.fori_loop(0, jnp.max(num_drafts), draft_one, (drafts, kv_caches))
+        return drafts[None, :, :num_speculative_tokens], kv_caches
+
+    return per_replica(replica_drafts, inputs.tokens.shape[0], (state,), (kv_caches, inputs, proposing))
+
+
+def without_drafts(sequence: ScheduledSequence) -> ScheduledSequence:
+    """A sequence's share of the step less its drafts: what the draft model runs over for it."""
+    count = sequence.num_draft_tokens
+    if not count:
+        return sequence
+    keep = sequence.num_new_tokens - count
+    return dataclasses.replace(
+        sequence,
+        token_ids=sequence.token_ids[:keep],
+        positions=sequence.positions[:keep],
+        slots=sequence.slots[:keep],
+        kv_len=sequence.kv_len - count,
+        num_draft_tokens=0,
+    )
+
+
+class DraftModelProposer:
+    """Runs a draft model beside the target: fills in the drafts the scheduler reserved room for (placeholders
+    until then), keeping the draft's KV in step with the target's."""
+
+    def __init__(
+        self,
+        draft: models.LoadedModel,
+        num_speculative_tokens: int,
+        *,
+        page_size: int,
+        pages_per_seq: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        mesh,
+    ):
+        """Args:
+        draft: the loaded draft model (load_draft_model).
+        num_speculative_tokens: K, the most drafts a row asks for.
+        page_size, pages_per_seq: the pool's page size and block-table width.
+        max_num_batched_tokens, max_num_seqs: the step budgets (its largest buckets).
+        mesh: the engine's mesh, or None for one device.
+        """
+        self.draft = draft
+        self.num_drafts = num_speculative_tokens
+        self.page_size, self.pages_per_seq = page_size, pages_per_seq
+        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.mesh = mesh
+        self._graph = static_graph(draft.graphdef)
+
+    def fill(self, batch: ScheduledBatch, kv_caches: list) -> tuple[ScheduledBatch, list]:
+        """Run the draft over the step's tokens and return the batch with its drafts filled in, and the draft layers.
+
+        Args:
+          batch: the scheduled step, its drafts placeholders.
+          kv_caches: the draft's layers of the pool (donated).
+        """
+        plain = [
+            dataclasses.replace(
+                replica,
+                sequences=[without_drafts(s) for s in replica.sequences],
+                num_batched_tokens=replica.num_batched_tokens - sum(s.num_draft_tokens for s in replica.sequences),
+            )
+            for replica in batch.replica_batches
+        ]
+        sizes = [padded_batch_sizes(b, self.max_num_batched_tokens, self.max_num_seqs) for b in plain]
+        padded_sizes = (max(size[0] for size in sizes), max(size[1] for size in sizes))
+        inputs = [
+            StepInputs.from_batch(
+                replica,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                pages_per_seq=self.pages_per_seq,
+                padded_sizes=padded_sizes,
+            )
+            for replica in plain
+        ]
+        proposing = _proposing_rows(batch.replica_batches, padded_sizes[1])
+        stacked = jax.tree.map(lambda *leaves: np.stack(leaves), *inputs)
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            drafts, kv_caches = propose_drafts(
+                self._graph, self.draft.state, kv_caches, stacked, proposing, self.page_size, self.num_drafts
+            )
+        return _with_drafts(batch, host_value(drafts)), kv_caches
+
+
+def _proposing_rows(replicas: list[ReplicaBatch], num_rows: int) -> ProposingRows:
+    """The speculating rows of every replica, padded to the step's S rows: one draft program per (T, S) bucket, as
+    the target's forward, at the price of padding rows in the drafting loop when few rows speculate."""
+    speculating = [[i for i, s in enumerate(b.sequences) if s.num_draft_tokens] for b in replicas]
+    rows, positions, num_drafts = (np.zeros((len(replicas), num_rows), np.int32) for _ in range(3))
+    for replica, (batch, indices) in enumerate(zip(replicas, speculating, strict=True)):
+        for place, index in enumerate(indices):
+            sequence = batch.sequences[index]
+            rows[replica, place] = index
+            positions[replica, place] = sequence.positions[sequence.num_new_tokens - sequence.num_draft_tokens - 1]
+            num_drafts[replica, place] = sequence.num_draft_tokens
+    return ProposingRows(rows, positions, num_drafts)
+
+
+def _with_drafts(batch: ScheduledBatch, drafts: np.ndarray) -> ScheduledBatch:
+    """The batch with each speculating sequence's placeholder drafts replaced by drafts[replica, place, :count]."""
+    replicas = []
+    for replica, replica_batch in enumerate(batch.replica_batches):
+        sequences, place = [], 0
+        for sequence in replica_batch.sequences:
+            count = sequence.num_draft_tokens
+            if count:
+                proposed = [int(token) for token in drafts[replica, place, :count]]
+                sequence = dataclasses.replace(sequence, token_ids=sequence.token_ids[:-count] + proposed)
+                place += 1
+            sequences.append(sequence)
+        replicas.append(dataclasses.replace(replica_batch, sequences=sequences))
+    return dataclasses.replace(batch, replica_batches=replicas)
+
+
+def load_draft_model(
+    speculative: SpeculativeConfig | None, target: models.LoadedModel, mesh, max_model_len: int
+) -> models.LoadedModel | None:
+    """The speculative draft model, loaded as the target was (dtypes, attention, mesh), or None unless the method is
+    draft_model; raise ValueError naming the fix when it cannot draft for the target.
+
+    Args:
+      speculative: the engine's speculative config, or None.
+      target: the loaded target model.
+      mesh: the engine's mesh, or None.
+      max_model_len: the engine's context, which the draft must cover too.
+    """
+    if speculative is None or speculative.method != "draft_model":
+        return None
+    path = speculative.model
+    model = target.model
+    first_attention = model.layers[0].attention
+    try:
+        draft = models.load(
+            path,
+            str(jnp.dtype(model.embed.get_value().dtype)),
+            mesh=mesh,
+            attention_impl=first_attention.attention_impl,
+            compute_dtype=str(jnp.dtype(model.compute_dtype)),
+            require_tokenizer=False,
+        )
+    except (OSError, ValueError) as e:
+        raise ValueError(f"speculative draft model {path!r}: {e}") from None
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(
+            f"the draft model {path!r} has a vocabulary of {draft.config.vocab_size} tokens and the target "
+            f"{target.config.vocab_size}; a draft must share the target's tokenizer: choose a draft of its family"
+        )
+    if draft.config.max_position_embeddings < max_model_len:
+        raise ValueError(
+            f"the draft model {path!r} has a context of {draft.config.max_position_embeddings} tokens, shorter than "
+            f"max_model_len={max_model_len}; lower max_model_len or choose a draft with a longer context"
+        )
+    return draft
