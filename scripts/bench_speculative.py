@@ -34,6 +34,12 @@ flags.DEFINE_integer("repeats", 2, "Timed runs per configuration.")
 flags.DEFINE_integer("warmups", 2, "Untimed runs per configuration first, which compile the shapes the runs take.")
 flags.DEFINE_integer("passage_chars", 4000, "Characters per passage of the copy workload (about 1k tokens).")
 flags.DEFINE_string("out", "bench_results/speculative", "Output path prefix for .json, .md and .png.")
+flags.DEFINE_string(
+    "draft_model",
+    None,
+    "Also measure a draft model (adaptive and always drafting): a checkpoint with the target's vocabulary, or "
+    "'embedded' for the embedded SmolLM2 itself (the only model with its vocabulary this machine has).",
+)
 
 SAMPLE_PASSAGES = [
     "The page pool holds fixed-size pages of keys and values. Each sequence owns a block table that maps its "
@@ -129,8 +135,15 @@ def main(argv):
     from paxkv.entrypoints.batch_runner import encode_chat
 
     batches = [int(b) for b in FLAGS.batches.split(",")]
+    configs = dict(CONFIGS)
+    if FLAGS.draft_model:
+        from models.loading import embedded_model_path
+
+        draft = embedded_model_path() if FLAGS.draft_model == "embedded" else FLAGS.draft_model
+        configs["draft_adaptive"] = {"method": "draft_model", "model": draft, "adaptive": True}
+        configs["draft_always"] = {"method": "draft_model", "model": draft, "adaptive": False}
     engines = {}
-    for name, speculative in CONFIGS.items():
+    for name, speculative in configs.items():
         if speculative is not None:
             speculative = {**speculative, "num_speculative_tokens": FLAGS.num_speculative_tokens}
         engines[name] = LLM(FLAGS.model, dtype=FLAGS.dtype, max_num_seqs=max(batches), speculative_config=speculative)
@@ -145,9 +158,9 @@ def main(argv):
     for workload, temperature, batch in cases:
         prompts = [{"prompt_token_ids": encode_chat(tokenizer, m)[1]} for m in _messages(workload, batch)]
         reference = None
-        times = {name: [] for name in CONFIGS}
+        times = {name: [] for name in configs}
         counters = {}
-        compiled = {name: 0 for name in CONFIGS}
+        compiled = {name: 0 for name in configs}
         for repeat in range(FLAGS.warmups + FLAGS.repeats):
             for name, llm in engines.items():
                 programs = len(llm.engine.runner.step_shapes)
@@ -161,7 +174,7 @@ def main(argv):
                     compiled[name] += len(llm.engine.runner.step_shapes) - programs
         generated = sum(len(t) for t in reference)
         plain_seconds = statistics.median(times["plain"])
-        for name in CONFIGS:
+        for name in configs:
             seconds = statistics.median(times[name])
             counts = counters[name]
             rows.append(
@@ -194,6 +207,7 @@ def main(argv):
         model=(FLAGS.model or "SmolLM2-135M-Instruct (embedded GGUF)") + f", {FLAGS.dtype} weights",
         max_tokens=FLAGS.max_tokens,
         num_speculative_tokens=FLAGS.num_speculative_tokens,
+        draft_model=FLAGS.draft_model,
         rows=rows,
     )
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)

@@ -64,6 +64,12 @@ def test_speculative_flags_make_the_nested_config():
     config = config_from_flags(EngineConfig, values)
     assert config.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=2)
     assert config_from_flags(EngineConfig, _flags()).speculative_config is None  # method none: no speculation
+    values = _flags("--speculative_method=draft_model", "--speculative_model=/models/draft")
+    assert config_from_flags(EngineConfig, values).speculative_config == SpeculativeConfig(
+        method="draft_model", model="/models/draft"
+    )
+    with pytest.raises(ValueError, match="'draft_model' needs the draft's checkpoint"):
+        config_from_flags(EngineConfig, _flags("--speculative_method=draft_model"))
     with pytest.raises(ValueError, match="prompt_lookup_min=3 exceeds prompt_lookup_max=2"):
         config_from_flags(
             EngineConfig, _flags("--speculative_method=ngram", "--prompt_lookup_min=3", "--prompt_lookup_max=2")

@@ -229,17 +229,21 @@ def test_bench_throughput_paxkv_against_transformers_and_a_baseline(tmp_path):
 SMALL_QUALITY_RUN = ("--num_sequences=2", "--length=64", "--greedy_tokens=2", "--batch=2")
 
 
-def test_bench_speculative_compares_ngram_with_plain_decoding(tiny_model_with_tokenizer, tmp_path):
-    """Both workloads, greedy and sampled; the script itself fails if a configuration changes a token."""
+def test_bench_speculative_compares_ngram_and_a_draft_model_with_plain_decoding(tiny_model_with_tokenizer, tmp_path):
+    """Both workloads, greedy and sampled, with the tiny model as its own draft; the script itself fails if a
+    configuration changes a token."""
     out = tmp_path / "speculative"
     argv = ["--batches=2", "--temperatures=0,0.8", "--max_tokens=12", "--warmups=1", "--repeats=1", f"--out={out}"]
-    argv.append("--passage_chars=40")  # the tiny model's context is 128 tokens
+    argv += ["--passage_chars=40", f"--draft_model={tiny_model_with_tokenizer}"]  # the tiny model's context: 128
     _run([os.path.join(SCRIPTS, "bench_speculative.py"), f"--model={tiny_model_with_tokenizer}", *argv])
     result = json.loads((tmp_path / "speculative.json").read_text())
     rows = {(r["workload"], r["temperature"], r["batch"], r["config"]): r for r in result["rows"]}
-    assert len(rows) == 2 * 2 * 3 and all(r["tokens_per_s"] > 0 for r in rows.values())
+    assert len(rows) == 2 * 2 * 5 and all(r["tokens_per_s"] > 0 for r in rows.values())
     assert all(rows[(*key[:3], "plain")]["drafts"] == 0 and rows[(*key[:3], "plain")]["speedup"] == 1.0 for key in rows)
     assert sum(rows[key]["drafts"] for key in rows if key[3] == "ngram_always") > 0
+    # Its own greedy drafts are the target's next tokens: every one stands.
+    greedy_drafts = [rows[key] for key in rows if key[3] == "draft_always" and key[1] == 0]
+    assert all(row["drafts"] > 0 and row["acceptance"] == 1.0 for row in greedy_drafts)
     assert "| copy | 0.8 | 2 | ngram_always |" in (tmp_path / "speculative.md").read_text()
     assert 0 < result["proposal_cost"]["per_step_seconds"] < result["proposal_cost"]["first_seconds"]
     assert (tmp_path / "speculative.png").exists() == HAS_MATPLOTLIB
