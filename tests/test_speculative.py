@@ -128,6 +128,18 @@ def test_the_budget_drafts_only_where_the_measured_step_costs_pay():
     assert rejected.draft_gains(DraftStats(), 2) == pytest.approx([1 / 3, 1 / 6])  # the prior, shrunk by one miss
 
 
+def test_processes_that_plan_together_draft_every_proposal(caplog):
+    """Step times differ between hosts, and every process must plan the same batches: with several processes the
+    budget drafts every proposal instead of deciding from local times, and says so."""
+    from paxkv.speculation.drafter import Drafter
+
+    assert Drafter(SpeculativeConfig(method="ngram")).budget.adaptive
+    with caplog.at_level("WARNING"):
+        drafter = Drafter(SpeculativeConfig(method="ngram"), num_processes=2)
+    assert not drafter.config.adaptive and not drafter.budget.adaptive
+    assert "with 2 processes it drafts every proposal" in caplog.text
+
+
 @pytest.fixture(scope="module")
 def loaded(engine_llama_checkpoint):
     return models.load(engine_llama_checkpoint, require_tokenizer=False)

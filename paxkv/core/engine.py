@@ -5,8 +5,6 @@ scheduler records the sampled tokens (and decides who stops), and the output pro
 and RequestOutputs.
 """
 
-import dataclasses
-import logging
 import time
 
 import jax
@@ -16,7 +14,7 @@ from paxkv.config import EngineConfig
 from paxkv.core.metrics import EngineMetrics
 from paxkv.core.output_processor import OutputProcessor
 from paxkv.core.outputs import RequestOutput
-from paxkv.execution.draft_proposer import load_draft_model
+from paxkv.execution.draft_proposer import load_draft_model, num_draft_compilations
 from paxkv.execution.kv_pool import KVPool
 from paxkv.execution.model_runner import ModelRunner
 from paxkv.execution.step import num_step_compilations
@@ -29,8 +27,6 @@ from paxkv.scheduling.sampling_params import SamplingParams
 from paxkv.scheduling.scheduler import Scheduler
 from paxkv.scheduling.stopping import NONFINITE_TOKEN
 from paxkv.speculation.drafter import Drafter
-
-logger = logging.getLogger(__name__)
 
 
 class Engine:
@@ -49,15 +45,9 @@ class Engine:
         self.mesh = engine_mesh(loaded, config.mesh_shape)
         speculative = config.speculative_config
         draft = load_draft_model(speculative, loaded, self.mesh, self.max_model_len)  # None unless draft_model
-        draft_config = draft.config if draft is not None else None
-        self.pool = pool = KVPool(loaded.config, config, loaded.model.compute_dtype, self.mesh, draft_config)
+        self.pool = pool = KVPool(loaded.config, config, loaded.model.compute_dtype, self.mesh, draft and draft.config)
         self.preemption = PreemptionPolicy(pool.preemption_mode, pool.bytes_per_page, pool.num_host_slots)
-        if speculative is not None and speculative.adaptive and jax.process_count() > 1:
-            # Every process must plan the same batches, and step times differ between hosts: use none of them.
-            logger.warning("adaptive speculation decides from local step times; with %d processes it drafts "
-                           "every proposal instead", jax.process_count())  # fmt: skip
-            speculative = dataclasses.replace(speculative, adaptive=False)
-        self.drafter = Drafter(speculative) if speculative is not None else None
+        self.drafter = Drafter(speculative, num_processes=jax.process_count()) if speculative is not None else None
         self.scheduler = Scheduler(
             num_replicas=pool.num_replicas,
             pages_per_replica=pool.pages_per_replica,
@@ -89,18 +79,20 @@ class Engine:
     @property
     def max_step_programs(self) -> int:
         """The most distinct step programs this engine can need: a forward per (T bucket, S bucket) and a sampling
-        per (S bucket, 8 optional parts), each times the draft-row buckets (and none) when it speculates."""
+        per (S bucket, 8 optional parts), each times the draft-row buckets (and none) when it speculates, and a
+        draft model's program per (T, S)."""
         config = self.config
         num_seq_buckets = num_buckets(config.max_num_seqs)
-        programs = num_buckets(config.max_num_batched_tokens) * num_seq_buckets + num_seq_buckets * 8
+        num_forwards = num_buckets(config.max_num_batched_tokens) * num_seq_buckets
+        programs = num_forwards + num_seq_buckets * 8
         if config.speculative_config is not None:
             programs *= 1 + num_buckets(config.max_num_seqs * config.speculative_config.num_speculative_tokens)
-        return programs
+        return programs + (num_forwards if self.runner.draft is not None else 0)
 
     @property
     def num_compilations(self) -> int:
-        """Distinct step programs compiled so far in this process."""
-        return num_step_compilations()
+        """Distinct step programs (a draft model's included) compiled so far in this process."""
+        return num_step_compilations() + num_draft_compilations()
 
     def add_request(
         self,
@@ -163,7 +155,7 @@ class Engine:
         num_generated = sum(int(sampled.tokens[c]) != NONFINITE_TOKEN for rows in taken.values() for c in rows)
         self.metrics.record_step(start, self.scheduler, batch.num_batched_tokens, peak_pages, finished, num_generated)
         self.metrics.num_pages_swapped = self.runner.num_pages_swapped
-        self.metrics.num_compilations = num_step_compilations()
+        self.metrics.num_compilations = self.num_compilations
         return outputs
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -197,7 +189,7 @@ class Engine:
         loads them instead."""
         start = time.monotonic()
         num_programs = self.runner.warm_up()
-        self.metrics.num_compilations = num_step_compilations()
+        self.metrics.num_compilations = self.num_compilations
         return num_programs, time.monotonic() - start
 
     def has_unfinished_requests(self) -> bool:

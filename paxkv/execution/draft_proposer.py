@@ -94,6 +94,11 @@ def propose_drafts(
     return per_replica(replica_drafts, inputs.tokens.shape[0], (state,), (kv_caches, inputs, proposing))
 
 
+def num_draft_compilations() -> int:
+    """How many draft programs (one per (T, S) bucket and replica count) this process has compiled."""
+    return propose_drafts._cache_size()
+
+
 def without_drafts(sequence: ScheduledSequence) -> ScheduledSequence:
     """A sequence's share of the step less its drafts: what the draft model runs over for it."""
     count = sequence.num_draft_tokens

@@ -1,12 +1,17 @@
 """Drafter: the scheduler's speculation collaborator: proposes each decoding request's drafts and, with the
 DraftBudget, decides how many of them the step verifies."""
 
+import dataclasses
+import logging
+
 from paxkv.config import SpeculativeConfig
 from paxkv.scheduling.request import Request
 from paxkv.scheduling.scheduled_batch import ScheduledSequence
 from paxkv.scheduling.stopping import holds_back_stops
 from paxkv.speculation.draft_budget import DraftBudget, DraftStats
 from paxkv.speculation.ngram_proposer import NgramIndex
+
+logger = logging.getLogger(__name__)
 
 
 def can_speculate(request: Request) -> bool:
@@ -24,10 +29,16 @@ class Drafter:
     """Drafts for the decoding requests of one engine (every replica), and their record: prompt-lookup drafts, or
     placeholders for a draft model's (which runs on the devices, after scheduling)."""
 
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, num_processes: int = 1):
         """Args:
         config: the method, draft length and n-gram sizes.
+        num_processes: the processes that plan the same batches (jax.process_count()).
         """
+        if config.adaptive and num_processes > 1:
+            # Every process must plan the same batches, and step times differ between hosts: use none of them.
+            logger.warning("adaptive speculation decides from local step times; with %d processes it drafts "
+                           "every proposal instead", num_processes)  # fmt: skip
+            config = dataclasses.replace(config, adaptive=False)
         self.config = config
         self.budget = DraftBudget(adaptive=config.adaptive)
         self._indexes: dict[str, NgramIndex] = {}
