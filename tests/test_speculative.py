@@ -238,11 +238,11 @@ def test_greedy_output_is_unchanged_by_speculation(loaded, greedy_reference, pre
     assert engine.num_compilations <= engine.max_step_programs
 
 
-def test_a_draft_model_leaves_greedy_output_unchanged_through_swaps_and_the_prefix_cache(
+def test_a_draft_model_leaves_greedy_output_unchanged_through_preemption_by_swap(
     loaded, greedy_reference, truncated_draft
 ):
-    """A draft model (the target's first layer) drafting for 32 prompts, preempted by swap, with prefix caching:
-    the same tokens and logprobs, drafts both accepted and rejected, every page accounted for."""
+    """A draft model (the target's first layer) drafting for 32 prompts, preempted by swap, prefix caching on: the
+    same tokens and logprobs, drafts both accepted and rejected, every page accounted for."""
     speculated, engine = _generate(loaded, _draft_model(truncated_draft), preemption_mode="swap")
     _assert_same_output(speculated, greedy_reference)
     metrics = engine.metrics
