@@ -231,7 +231,7 @@ SMALL_QUALITY_RUN = ("--num_sequences=2", "--length=64", "--greedy_tokens=2", "-
 
 def test_bench_speculative_compares_ngram_and_a_draft_model_with_plain_decoding(tiny_model_with_tokenizer, tmp_path):
     """Both workloads, greedy and sampled, with the tiny model as its own draft; the script itself fails if a
-    configuration changes a token."""
+    configuration changes a greedy token, and counts requests whose sampled tokens differ."""
     out = tmp_path / "speculative"
     argv = ["--batches=2", "--temperatures=0,0.8", "--max_tokens=12", "--warmups=1", "--repeats=1", f"--out={out}"]
     argv += ["--passage_chars=40", f"--draft_model={tiny_model_with_tokenizer}"]  # the tiny model's context: 128
@@ -239,6 +239,7 @@ def test_bench_speculative_compares_ngram_and_a_draft_model_with_plain_decoding(
     result = json.loads((tmp_path / "speculative.json").read_text())
     rows = {(r["workload"], r["temperature"], r["batch"], r["config"]): r for r in result["rows"]}
     assert len(rows) == 2 * 2 * 5 and all(r["tokens_per_s"] > 0 for r in rows.values())
+    assert all(r["requests_differing_from_plain"] == 0 for r in rows.values())  # no near-tie on this model
     assert all(rows[(*key[:3], "plain")]["drafts"] == 0 and rows[(*key[:3], "plain")]["speedup"] == 1.0 for key in rows)
     assert sum(rows[key]["drafts"] for key in rows if key[3] == "ngram_always") > 0
     # Its own greedy drafts are the target's next tokens: every one stands.
