@@ -28,7 +28,7 @@ from models.paged_forward import logits_over_pages
 from pallas_kernels import AttentionMetadata
 from paxkv.config import SpeculativeConfig
 from paxkv.execution.step import StaticGraph, per_replica, replicated, static_graph
-from paxkv.execution.step_inputs import StepInputs, padded_batch_sizes
+from paxkv.execution.step_inputs import StepInputs, shared_padded_sizes
 from paxkv.parallel.distributed import host_value
 from paxkv.scheduling.scheduled_batch import ReplicaBatch, ScheduledBatch, ScheduledSequence
 
@@ -159,8 +159,7 @@ class DraftModelProposer:
             )
             for replica in batch.replica_batches
         ]
-        sizes = [padded_batch_sizes(b, self.max_num_batched_tokens, self.max_num_seqs) for b in plain]
-        padded_sizes = (max(size[0] for size in sizes), max(size[1] for size in sizes))
+        padded_sizes = shared_padded_sizes(plain, self.max_num_batched_tokens, self.max_num_seqs)
         inputs = [
             StepInputs.from_batch(
                 replica,

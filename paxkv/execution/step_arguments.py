@@ -8,7 +8,7 @@ import numpy as np
 from models.paged_forward import bucket
 from paxkv.execution.sampler import SamplingArrays
 from paxkv.execution.step import StepBatch
-from paxkv.execution.step_inputs import StepInputs, padded_batch_sizes
+from paxkv.execution.step_inputs import StepInputs, shared_padded_sizes
 from paxkv.execution.verification import DraftRows, num_draft_rows
 from paxkv.scheduling.scheduled_batch import ReplicaBatch, ScheduledBatch
 from paxkv.scheduling.stopping import holds_back_stops, stop_token_ids
@@ -36,8 +36,7 @@ def build_step_batch(
       vocab_size: the model's vocabulary size.
       eos_token_ids: tokens min_tokens holds back (unless a request ignores EOS).
     """
-    sizes = [padded_batch_sizes(b, max_num_batched_tokens, max_num_seqs) for b in batch.replica_batches]
-    padded_sizes = (max(size[0] for size in sizes), max(size[1] for size in sizes))
+    padded_sizes = shared_padded_sizes(batch.replica_batches, max_num_batched_tokens, max_num_seqs)
     needed = [vocab_arrays_needed(b) for b in batch.replica_batches]
     force = (any(n[0] for n in needed), any(n[1] for n in needed))
     most_drafts = max(num_draft_rows(b) for b in batch.replica_batches)

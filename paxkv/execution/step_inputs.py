@@ -43,6 +43,12 @@ def padded_batch_sizes(batch: ReplicaBatch, max_num_batched_tokens: int, max_num
     )
 
 
+def shared_padded_sizes(batches: list[ReplicaBatch], max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, int]:
+    """(T, S) that every replica's batch pads to: the largest of their own buckets (data replicas share one shape)."""
+    sizes = [padded_batch_sizes(b, max_num_batched_tokens, max_num_seqs) for b in batches]
+    return max(size[0] for size in sizes), max(size[1] for size in sizes)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
