@@ -272,6 +272,19 @@ def test_the_target_as_its_own_draft_has_every_draft_accepted(engine_llama_check
     assert metrics.prefix_hit_tokens > 0 and metrics.num_accepted_draft_tokens == metrics.num_draft_tokens
 
 
+def test_the_target_as_its_own_draft_has_every_sampled_draft_accepted(engine_llama_checkpoint, loaded):
+    """Sampled drafts (top-p, a seed per request) are drawn with the key the target samples their position with: a
+    draft model equal to the target draws the target's own samples, so every draft stands where a greedy draft
+    would stand only when the sample happened to be the argmax."""
+
+    def sampled(index: int) -> SamplingParams:
+        return SamplingParams(temperature=0.9, top_p=0.95, seed=index, max_tokens=12, ignore_eos=True, logprobs=0)
+
+    _, engine = _generate(loaded, _draft_model(engine_llama_checkpoint), sampled, num_prompts=6)
+    metrics = engine.metrics
+    assert metrics.num_draft_tokens > 20 and metrics.num_accepted_draft_tokens == metrics.num_draft_tokens
+
+
 def test_seeded_samples_and_an_8_bit_pool_are_unchanged_by_speculation(loaded, truncated_draft):
     """Sampling (top-p, a seed per request) with n = 2 forks sharing pages by copy-on-write, over an int8 pool."""
 
@@ -366,10 +379,10 @@ def test_speculation_on_two_data_replicas(engine_llama_checkpoint, greedy_refere
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_sampled_tokens_after_rejected_drafts_follow_the_models_distribution(tiny_llama_checkpoint, method):
-    """1000 seeded samples after a fixed prefix, on a 16-token vocabulary and near-uniform logits, so
-    nearly every draft for the second token is rejected: its empirical distribution matches the model's own
-    p(t2) = sum over t1 of p(t1) p(t2 | t1) by a chi-square test at significance 0.001 (and so does t1's).
-    The draft model is another random model of the same vocabulary: it disagrees with the target most of the time."""
+    """1000 seeded samples after a fixed prefix, on a 16-token vocabulary and near-uniform logits, so many drafts for
+    the second token are rejected: its empirical distribution matches the model's own p(t2) = sum over t1 of
+    p(t1) p(t2 | t1) by a chi-square test at significance 0.001 (and so does t1's). The draft model is another random
+    model of the same vocabulary: its draws, coupled with the target's, agree with them about a third of the time."""
     from scipy import stats
 
     vocab = 16
@@ -394,9 +407,11 @@ def test_sampled_tokens_after_rejected_drafts_follow_the_models_distribution(tin
     outputs = drain(engine)
     pairs = np.array([outputs[str(seed)].outputs[0].token_ids[:2] for seed in range(num_samples)])  # [N, 2]
     metrics = engine.metrics
-    assert (
-        metrics.num_draft_tokens >= num_samples and metrics.num_accepted_draft_tokens < 0.2 * metrics.num_draft_tokens
-    )
+    assert metrics.num_draft_tokens >= num_samples
+    acceptance = metrics.num_accepted_draft_tokens / metrics.num_draft_tokens
+    # Prompt lookup's point mass on one of 16 near-uniform tokens is mostly rejected; the other model's coupled
+    # draws (measured 31%) are accepted and rejected often enough that both branches feed the counts below.
+    assert acceptance < 0.2 if method == "ngram" else 0.15 < acceptance < 0.85
 
     def probabilities(tokens):
         logits = np.asarray(loaded.score(tokens)[-1], np.float64)

@@ -10,13 +10,21 @@ over every token the target runs, so both caches always cover the same positions
 Whatever the verification accepts, the draft KV up to the last accepted token is then valid, exactly as the
 target's is; rejected positions are overwritten by the next step that reaches them.
 
-Drafts are the draft model's greedy tokens, a point mass q: the step's verification (paxkv.execution.verification)
-is then exactly Leviathan et al.'s rejection rule for it, so output keeps the target's distribution.
+Each draft is the draft model's sample with the request's own settings and the very key, fold_in(seed, position),
+that the target samples that position with: the draft and the target add the same Gumbel noise to their logits
+(jax.random.categorical is a Gumbel-max draw), so the two draws agree whenever the noise leaves both models the same
+winner ("coupled" drafts; greedy rows are argmax on both sides). The step's verification
+(paxkv.execution.verification) keeps a draft only where it equals the target's own sample there, so every emitted
+token is the sample plain decoding draws: lossless, and the same output whichever draft model runs. Compared with
+Leviathan et al.'s rule (accept with probability min(1, p/q), acceptance 1 - TV(p, q)), coupling accepts with
+probability at least (1 - TV) / (1 + TV) per token, equal where p = q, and keeps seeded output independent of the
+draft and of speculation itself.
 """
 
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +35,7 @@ import models
 from models.paged_forward import logits_over_pages
 from pallas_kernels import AttentionMetadata
 from paxkv.config import SpeculativeConfig
+from paxkv.execution.sampler import SamplingArrays, sample
 from paxkv.execution.step import StaticGraph, per_replica, replicated, static_graph
 from paxkv.execution.step_inputs import StepInputs, shared_padded_sizes
 from paxkv.parallel.distributed import host_value
@@ -41,6 +50,7 @@ class ProposingRows:
     rows: jax.Array  # i32[D, R] each one's row in the step (0 for padding)
     positions: jax.Array  # i32[D, R] the position of its last token (its drafts follow it)
     num_drafts: jax.Array  # i32[D, R] how many drafts it wants (0 for padding)
+    sampling: SamplingArrays  # [D, R] its request's settings and seed at its first draft's position (padding: greedy)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=2)
@@ -53,17 +63,24 @@ def propose_drafts(
     page_size: int,
     num_speculative_tokens: int,  # K
 ) -> tuple[jax.Array, list]:  # (i32[D, R, K] drafts, kv_caches)
-    """Write the draft KV of the step's tokens and draft up to K greedy tokens for each proposing row."""
+    """Write the draft KV of the step's tokens and draft up to K tokens for each proposing row, each sampled with the
+    key the target samples its position with (coupled drafts; greedy rows take the argmax)."""
 
     def replica_drafts(state, kv_caches, inputs, proposing):
         model = nnx.merge(graph.graphdef, state)
         local = jax.tree.map(lambda leaf: leaf[0], inputs)
-        rows, positions, num_drafts = (leaf[0] for leaf in (proposing.rows, proposing.positions, proposing.num_drafts))
+        proposing = jax.tree.map(lambda leaf: leaf[0], proposing)
+        rows, positions, num_drafts = proposing.rows, proposing.positions, proposing.num_drafts  # i32[R] each
+
+        def draw(logits: jax.Array, j) -> jax.Array:  # f32[R, vocab] -> i32[R, 1], the samples of draft j
+            sampling = dataclasses.replace(proposing.sampling, positions=proposing.sampling.positions + j)
+            return sample(replicated(logits), sampling)[0][:, None]
+
         logits, kv_caches = logits_over_pages(
             model, local.tokens, local.positions, kv_caches, local.metadata, local.logits_indices[rows]
         )  # f32[R, vocab]
         drafts = jnp.zeros((rows.shape[0], num_speculative_tokens + 1), jnp.int32)  # [R, K + 1]
-        drafts = drafts.at[:, 0].set(jnp.argmax(replicated(logits), axis=-1).astype(jnp.int32))
+        drafts = drafts.at[:, :1].set(draw(logits, 0))
         block_tables = local.metadata.block_tables[rows]  # i32[R, P]
         num_rows = rows.shape[0]
 
@@ -85,8 +102,7 @@ def propose_drafts(
             logits, kv_caches = logits_over_pages(
                 model, tokens, position, kv_caches, metadata, jnp.arange(num_rows, dtype=jnp.int32)
             )
-            following = jnp.argmax(replicated(logits), axis=-1).astype(jnp.int32)[:, None]
-            return jax.lax.dynamic_update_slice_in_dim(drafts, following, j + 1, axis=1), kv_caches
+            return jax.lax.dynamic_update_slice_in_dim(drafts, draw(logits, j + 1), j + 1, axis=1), kv_caches
 
         drafts, kv_caches = jax.lax.fori_loop(0, jnp.max(num_drafts), draft_one, (drafts, kv_caches))
         return drafts[None, :, :num_speculative_tokens], kv_caches
@@ -144,12 +160,15 @@ class DraftModelProposer:
         self.mesh = mesh
         self._graph = static_graph(draft.graphdef)
 
-    def fill(self, batch: ScheduledBatch, kv_caches: list) -> tuple[ScheduledBatch, list]:
+    def fill(
+        self, batch: ScheduledBatch, kv_caches: list, seed_of: Callable[[str], int]
+    ) -> tuple[ScheduledBatch, list]:
         """Run the draft over the step's tokens and return the batch with its drafts filled in, and the draft layers.
 
         Args:
           batch: the scheduled step, its drafts placeholders.
           kv_caches: the draft's layers of the pool (donated).
+          seed_of: request id -> the seed of its samples (the target's: drafts are drawn with the same keys).
         """
         plain = [
             dataclasses.replace(
@@ -170,7 +189,7 @@ class DraftModelProposer:
             )
             for replica in plain
         ]
-        proposing = _proposing_rows(batch.replica_batches, padded_sizes[1])
+        proposing = _proposing_rows(batch.replica_batches, padded_sizes[1], seed_of)
         stacked = jax.tree.map(lambda *leaves: np.stack(leaves), *inputs)
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             drafts, kv_caches = propose_drafts(
@@ -179,18 +198,25 @@ class DraftModelProposer:
         return _with_drafts(batch, host_value(drafts)), kv_caches
 
 
-def _proposing_rows(replicas: list[ReplicaBatch], num_rows: int) -> ProposingRows:
+def _proposing_rows(replicas: list[ReplicaBatch], num_rows: int, seed_of: Callable[[str], int]) -> ProposingRows:
     """The speculating rows of every replica, padded to the step's S rows: one draft program per (T, S) bucket, as
     the target's forward, at the price of padding rows in the drafting loop when few rows speculate."""
     speculating = [[i for i, s in enumerate(b.sequences) if s.num_draft_tokens] for b in replicas]
     rows, positions, num_drafts = (np.zeros((len(replicas), num_rows), np.int32) for _ in range(3))
+    samplings = []
     for replica, (batch, indices) in enumerate(zip(replicas, speculating, strict=True)):
+        params, first_positions, seeds = [], [], []
         for place, index in enumerate(indices):
             sequence = batch.sequences[index]
             rows[replica, place] = index
             positions[replica, place] = sequence.positions[sequence.num_new_tokens - sequence.num_draft_tokens - 1]
             num_drafts[replica, place] = sequence.num_draft_tokens
-    return ProposingRows(rows, positions, num_drafts)
+            params.append(sequence.request.sampling_params)
+            first_positions.append(int(positions[replica, place]) + 1)
+            seeds.append(seed_of(sequence.request.request_id))
+        samplings.append(SamplingArrays.from_params(params, first_positions, seeds, batch_size=num_rows))
+    sampling = jax.tree.map(lambda *leaves: np.stack(leaves), *samplings)
+    return ProposingRows(rows, positions, num_drafts, sampling)
 
 
 def _with_drafts(batch: ScheduledBatch, drafts: np.ndarray) -> ScheduledBatch:

@@ -158,7 +158,7 @@ class ModelRunner:
         self.move_pages(batch)
         start = time.monotonic()
         if self.draft is not None:  # the draft model runs first: its drafts fill the scheduler's placeholders
-            batch, draft_layers = self.draft.fill(batch, self.draft_layers)
+            batch, draft_layers = self.draft.fill(batch, self.draft_layers, seed_of)
             self.pool.kv_caches = self.target_layers + draft_layers
         step_batch, with_logprobs = self.step_batch(batch, seed_of)
         inputs = step_batch.inputs

@@ -10,7 +10,8 @@ stand, the usual row's sample follows them.
 This is exact, not approximate: every emitted token is the sample that plain decoding would have drawn at its
 position from the same prefix, so greedy and seeded sampled output are the same with speculation as without.
 As a rejection rule it is Leviathan et al.'s for a point-mass draft (accept d with probability p(d), else draw
-from p with d removed), which is what a prompt-lookup draft is.
+from p with d removed), which is what a prompt-lookup draft is. A draft model's drafts are drawn with these same
+keys (paxkv.execution.draft_proposer), which couples them with the samples checked here.
 """
 
 import dataclasses
