@@ -1,9 +1,12 @@
-// Paged attention of single tokens on CPU, as an XLA FFI custom call (pallas_kernels/cpu_paged_attention.py).
+// Paged attention of short query runs on CPU, as an XLA FFI custom call (pallas_kernels/cpu_paged_attention.py).
 //
-// Each (token, KV head) pair walks its sequence's pages in place, one page at a time: scores of the G query heads
-// that share the KV head against the page's keys, an online-softmax rescale, then the values. Nothing is gathered
-// into a fresh block first, which is what bounds XLA:CPU's version (its gather copies about 4 GB/s); here each key
-// and value row is read once, straight from the pool. Work items are split over XLA's intra-op thread pool.
+// Consecutive tokens of one sequence row (a decode token, a token and its speculative drafts, a short chunk) form a
+// run of at most kMaxRunTokens. Each (run, KV head) pair walks the row's pages in place, one page at a time, and
+// for every token of the run: scores of the G query heads that share the KV head against the page's keys it can
+// see, an online-softmax rescale, then the values. Nothing is gathered into a fresh block first, which is what
+// bounds XLA:CPU's version (its gather copies about 4 GB/s); each page comes from memory once per run, and the
+// run's other tokens find it in cache. Each token's arithmetic is the same whatever run it is in. Work items are
+// split over XLA's intra-op thread pool.
 //
 // Layout (pallas_kernels/kv_pages.py): kv_pages[num_pages, page_size, 2 * K * D], the key of head h in slot 2h
 // and its value in slot 2h + 1 of each token row. Semantics are the XLA reference's per-token read
@@ -56,56 +59,104 @@ inline void Axpy(float a, const T* v, float* acc, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] += a * LoadValue(v + i);
 }
 
-// One token against one KV head: its G query heads, all of its visible positions.
-template <typename T>
-void AttendOne(const Shapes& s, const float* q, const T* pages, const int32_t* block_tables, int64_t token,
-               int64_t kv_head, int32_t row, int32_t position, int32_t kv_len, int64_t sliding_window,
-               float soft_cap, float* out) {
-  const int64_t G = s.group, D = s.head_dim, P = s.page_size;
-  float* out_heads = out + (token * s.num_q_heads + kv_head * G) * D;  // [G, D]
+// Tokens of one row that one work item attends together: each page is read from memory once for all of them.
+constexpr int64_t kMaxRunTokens = 16;
+
+// Where one token reads: positions [start, end) of its row.
+struct TokenRange {
+  int64_t start, end;
+};
+
+TokenRange VisibleRange(int32_t position, int32_t kv_len, int64_t sliding_window) {
   const int64_t end = std::min<int64_t>(static_cast<int64_t>(position) + 1, kv_len);
   int64_t start = 0;
   if (sliding_window > 0) start = std::max<int64_t>(0, static_cast<int64_t>(position) - sliding_window + 1);
-  if (kv_len <= 0 || end <= start) {
-    std::fill(out_heads, out_heads + G * D, 0.0f);
-    return;
-  }
-  const float* q_heads = q + (token * s.num_q_heads + kv_head * G) * D;  // [G, D]
-  std::vector<float> acc(G * D, 0.0f), running_max(G, kMaskValue), running_sum(G, 0.0f), scores(G * P);
-  // Indices are clamped as XLA clamps a gather's, so bad metadata reads a wrong page, never outside the pool.
-  const int32_t* table = block_tables + std::clamp<int64_t>(row, 0, s.num_rows - 1) * s.pages_per_seq;
-  for (int64_t first = start - start % P; first < end; first += P) {
-    const int64_t page_id = std::clamp<int64_t>(table[std::min(first / P, s.pages_per_seq - 1)], 0, s.num_pages - 1);
-    const T* page = pages + page_id * P * s.row_width;
-    const int64_t lo = std::max(first, start) - first, hi = std::min(first + P, end) - first;
-    for (int64_t g = 0; g < G; ++g) {
-      float block_max = kMaskValue;
-      for (int64_t slot = lo; slot < hi; ++slot) {
-        float score = Dot(q_heads + g * D, page + slot * s.row_width + 2 * kv_head * D, D);
-        if (soft_cap > 0.0f) score = soft_cap * std::tanh(score / soft_cap);
-        scores[g * P + slot] = score;
-        block_max = std::max(block_max, score);
-      }
-      const float new_max = std::max(running_max[g], block_max);
-      const float rescale = std::exp(running_max[g] - new_max);
-      float* acc_g = acc.data() + g * D;
-      if (rescale != 1.0f) {
-        for (int64_t i = 0; i < D; ++i) acc_g[i] *= rescale;
-      }
-      float sum = running_sum[g] * rescale;
-      for (int64_t slot = lo; slot < hi; ++slot) {
-        const float weight = std::exp(scores[g * P + slot] - new_max);
-        sum += weight;
-        Axpy(weight, page + slot * s.row_width + (2 * kv_head + 1) * D, acc_g, D);
-      }
-      running_max[g] = new_max;
-      running_sum[g] = sum;
+  if (kv_len <= 0 || end <= start) return {0, 0};
+  return {start, end};
+}
+
+// Tokens [first, first + count) of one row against one KV head: their G query heads, all visible positions.
+template <typename T>
+void AttendRun(const Shapes& s, const float* q, const T* pages, const int32_t* block_tables, int64_t first_token,
+               int64_t count, int64_t kv_head, int32_t row, const int32_t* positions, const int32_t* kv_lens,
+               int64_t sliding_window, float soft_cap, float* out) {
+  const int64_t G = s.group, D = s.head_dim, P = s.page_size;
+  TokenRange ranges[kMaxRunTokens];
+  int64_t run_start = std::numeric_limits<int64_t>::max(), run_end = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    ranges[i] = VisibleRange(positions[first_token + i], kv_lens[first_token + i], sliding_window);
+    if (ranges[i].end > ranges[i].start) {
+      run_start = std::min(run_start, ranges[i].start);
+      run_end = std::max(run_end, ranges[i].end);
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    const float inverse = 1.0f / std::max(running_sum[g], 1e-30f);
-    for (int64_t i = 0; i < D; ++i) out_heads[g * D + i] = acc[g * D + i] * inverse;
+  // [count, G, D] accumulators and [count, G] running maxima and sums, token-major.
+  std::vector<float> acc(count * G * D, 0.0f), running_max(count * G, kMaskValue), running_sum(count * G, 0.0f);
+  std::vector<float> scores(P);
+  // Indices are clamped as XLA clamps a gather's, so bad metadata reads a wrong page, never outside the pool.
+  const int32_t* table = block_tables + std::clamp<int64_t>(row, 0, s.num_rows - 1) * s.pages_per_seq;
+  for (int64_t first = run_start - run_start % P; first < run_end; first += P) {
+    const int64_t page_id = std::clamp<int64_t>(table[std::min(first / P, s.pages_per_seq - 1)], 0, s.num_pages - 1);
+    const T* page = pages + page_id * P * s.row_width;
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t lo = std::max(first, ranges[i].start) - first, hi = std::min(first + P, ranges[i].end) - first;
+      if (lo >= hi) continue;  // nothing of this page is visible to the token
+      const float* q_heads = q + ((first_token + i) * s.num_q_heads + kv_head * G) * D;  // [G, D]
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t state = i * G + g;
+        float block_max = kMaskValue;
+        for (int64_t slot = lo; slot < hi; ++slot) {
+          float score = Dot(q_heads + g * D, page + slot * s.row_width + 2 * kv_head * D, D);
+          if (soft_cap > 0.0f) score = soft_cap * std::tanh(score / soft_cap);
+          scores[slot] = score;
+          block_max = std::max(block_max, score);
+        }
+        const float new_max = std::max(running_max[state], block_max);
+        const float rescale = std::exp(running_max[state] - new_max);
+        float* acc_g = acc.data() + state * D;
+        if (rescale != 1.0f) {
+          for (int64_t j = 0; j < D; ++j) acc_g[j] *= rescale;
+        }
+        float sum = running_sum[state] * rescale;
+        for (int64_t slot = lo; slot < hi; ++slot) {
+          const float weight = std::exp(scores[slot] - new_max);
+          sum += weight;
+          Axpy(weight, page + slot * s.row_width + (2 * kv_head + 1) * D, acc_g, D);
+        }
+        running_max[state] = new_max;
+        running_sum[state] = sum;
+      }
+    }
   }
+  for (int64_t i = 0; i < count; ++i) {
+    float* out_heads = out + ((first_token + i) * s.num_q_heads + kv_head * G) * D;  // [G, D]
+    if (ranges[i].end <= ranges[i].start) {  // padding, or nothing visible: zeros
+      std::fill(out_heads, out_heads + G * D, 0.0f);
+      continue;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t state = i * G + g;
+      const float inverse = 1.0f / std::max(running_sum[state], 1e-30f);
+      for (int64_t j = 0; j < D; ++j) out_heads[g * D + j] = acc[state * D + j] * inverse;
+    }
+  }
+}
+
+// The runs of a batch: maximal stretches of consecutive tokens with one row, cut every kMaxRunTokens tokens.
+struct Run {
+  int64_t first, count;
+};
+
+std::vector<Run> RowRuns(const int32_t* rows, int64_t num_tokens) {
+  std::vector<Run> runs;
+  for (int64_t token = 0; token < num_tokens; ++token) {
+    if (!runs.empty() && rows[runs.back().first] == rows[token] && runs.back().count < kMaxRunTokens) {
+      ++runs.back().count;
+    } else {
+      runs.push_back({token, 1});
+    }
+  }
+  return runs;
 }
 
 // Runs fn(item) for item in [0, count) over the pool's threads and this one; returns when every item is done.
@@ -175,12 +226,13 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   const int32_t* position_data = positions.typed_data();
   const int32_t* kv_len_data = kv_lens.typed_data();
   float* out_data = out->typed_data();
+  const std::vector<Run> runs = RowRuns(row_data, s.num_tokens);
   auto attend = [&](int64_t item) {
-    const int64_t token = item / s.num_kv_heads, kv_head = item % s.num_kv_heads;
-    AttendOne(s, q_data, page_data, table_data, token, kv_head, row_data[token], position_data[token],
-              kv_len_data[token], sliding_window, soft_cap, out_data);
+    const Run& run = runs[item / s.num_kv_heads];
+    AttendRun(s, q_data, page_data, table_data, run.first, run.count, item % s.num_kv_heads, row_data[run.first],
+              position_data, kv_len_data, sliding_window, soft_cap, out_data);
   };
-  ParallelFor(pool, s.num_tokens * s.num_kv_heads, attend);
+  ParallelFor(pool, static_cast<int64_t>(runs.size()) * s.num_kv_heads, attend);
   return ffi::Error::Success();
 }
 

@@ -1,5 +1,6 @@
 """Paged attention on CPU through a native XLA FFI kernel (cpu_paged_attention.cc) for the tokens that read their
-own pages (decode tokens, and blocks that span many sequences), the XLA reference's blocked path for the rest.
+own pages (decode tokens with or without speculative drafts, and blocks that span many sequences), the XLA
+reference's blocked path for the rest (prefill chunks).
 
 XLA:CPU's version of the per-token read gathers every token's KV block into a fresh array first, at about 4 GB/s;
 the native kernel walks the pages in place (12-15 GB/s on 2 cores, 3x less time at batch 32). The shared library
@@ -33,6 +34,9 @@ logger = logging.getLogger(__name__)
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_paged_attention.cc")
 CACHE_ENV_VAR = "PAXKV_NATIVE_CACHE_DIR"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+# Query blocks whose rows average at most this many tokens (a decode token and its drafts) go to the kernel, which
+# reads each row's pages once for all of its consecutive tokens; longer chunks keep the reference's matmuls.
+NATIVE_RUN_TOKENS = 8
 # FFI target and library symbol of each page dtype the kernel reads (8-bit pools keep the reference's reader).
 _TARGETS = {
     jnp.dtype(jnp.float32): ("paxkv_cpu_paged_attention_f32", "PaxkvCpuPagedAttentionF32"),
@@ -156,4 +160,6 @@ def ragged_paged_attention_cpu(
     if error is not None:
         raise RuntimeError(f"attention_impl='cpu_native' cannot run: {error}; use attention_impl='xla'")
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, kv_read=kv_read)
-    return ragged_attention_with_reader(q, kv_pages, metadata, token_reader=_native_reader, **options)
+    return ragged_attention_with_reader(
+        q, kv_pages, metadata, token_reader=_native_reader, reader_run_tokens=NATIVE_RUN_TOKENS, **options
+    )

@@ -106,9 +106,16 @@ def ragged_attention_with_reader(
     soft_cap: float | None,
     kv_read: str,
     token_reader: Callable,
+    reader_run_tokens: int = 0,
 ) -> jax.Array:  # [T, num_q_heads, D]
     """The reference's attention with another per-token page reader (`token_reader`, attend_per_token's
-    signature) wherever tokens read their own pages: how a native kernel reuses the blocked prefill path."""
+    signature) wherever tokens read their own pages: how a native kernel reuses the blocked prefill path.
+
+    Args:
+      reader_run_tokens: on the per_block path, query blocks whose rows average at most this many tokens (a
+        decode token with its speculative drafts) go to the reader too; for a reader that reads a row's pages once
+        for its consecutive tokens. 0: only blocks spanning many rows do.
+    """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = num_kv_heads_of(kv_pages, head_dim)
     if num_q_heads % num_kv_heads:
@@ -137,7 +144,7 @@ def ragged_attention_with_reader(
         out = token_reader(scaled_q, kv_pages, metadata.block_tables, tokens, sliding_window, soft_cap)
     elif kv_read == "per_block":
         out = _attend_per_block(
-            scaled_q, kv_pages, metadata.block_tables, tokens, sliding_window, soft_cap, token_reader
+            scaled_q, kv_pages, metadata.block_tables, tokens, sliding_window, soft_cap, token_reader, reader_run_tokens
         )
     else:
         seq_kv_lens = jnp.where(jnp.arange(num_rows) < metadata.num_seqs[0], metadata.kv_lens, 0)  # i32[S]
@@ -303,8 +310,9 @@ def _attend_rows_of_block(q_heads, kv_pages, block_tables, pages_per_block, bloc
     return acc / jnp.maximum(running_sum, 1e-30)[..., None]
 
 
-def _attend_per_block(q, kv_pages, block_tables, tokens, sliding_window, soft_cap, token_reader):
-    """Query blocks of Q tokens: loop over the rows present, or read per token when a block spans many rows."""
+def _attend_per_block(q, kv_pages, block_tables, tokens, sliding_window, soft_cap, token_reader, reader_run_tokens):
+    """Query blocks of Q tokens: loop over the rows present, or read per token when a block spans many rows (or
+    its rows average at most reader_run_tokens tokens)."""
     num_tokens, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = kv_pages.shape[1], num_kv_heads_of(kv_pages, head_dim)
     group = num_q_heads // num_kv_heads
@@ -332,7 +340,8 @@ def _attend_per_block(q, kv_pages, block_tables, tokens, sliding_window, soft_ca
         def by_tokens():
             return token_reader(q_blk, kv_pages, block_tables, block_tokens, sliding_window, soft_cap)
 
-        return jax.lax.cond(num_block_rows > _MAX_ROWS_PER_BLOCK, by_tokens, by_rows)
+        short_rows = jnp.sum(live) <= reader_run_tokens * num_block_rows
+        return jax.lax.cond((num_block_rows > _MAX_ROWS_PER_BLOCK) | short_rows, by_tokens, by_rows)
 
     out = jax.lax.map(attend_query_block, (blocked_q, blocked))  # [num_q_blocks, Q, N, D]
     return out.reshape(num_tokens, num_q_heads, head_dim)

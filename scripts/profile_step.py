@@ -1,4 +1,5 @@
-"""Where one decode step's time goes: host scheduling, input building, device, and inside the device.
+"""Where one decode step's time goes (or one speculative verification step's, --num_drafts): host scheduling, input
+building, device, and inside the device.
 
     python scripts/profile_step.py --batch 32 --prompt_len 128 --steps 32 --out bench_results/profile_step
 
@@ -22,6 +23,12 @@ flags.DEFINE_integer("batch", 32, "Sequences decoding together.")
 flags.DEFINE_integer("prompt_len", 128, "Prompt tokens per sequence.")
 flags.DEFINE_integer("steps", 32, "Decode steps to time.")
 flags.DEFINE_integer("num_pages", None, "Page pool size (default: just enough for the batch).")
+flags.DEFINE_integer(
+    "num_drafts",
+    0,
+    "Speculative drafts per sequence and step (prompt lookup, always drafting, over prompts that repeat a 16-token "
+    "pattern): profiles the verification step of speculative decoding instead of plain decode.",
+)
 flags.DEFINE_string("model", None, "A model for models.load (default: the embedded SmolLM2).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weight storage dtype (activations stay f32 on CPU).")
 flags.DEFINE_string("out", "bench_results/profile_step", "Output path prefix for .json and .md.")
@@ -118,7 +125,7 @@ def _device_split(engine, loaded) -> dict:
         (models.layers.GatedMLP, "__call__", models.layers.GatedMLP.__call__),
         (models.layers.PagedAttention, "__call__", models.layers.PagedAttention.__call__),
     ]
-    split = {"device_step_ms": time_step()}
+    split = {"tokens_per_step": batch.num_batched_tokens, "device_step_ms": time_step()}
     previous = split["device_step_ms"]
     try:
         for part, patches in removals:
@@ -160,6 +167,10 @@ def main(argv):
     loaded = models.load(FLAGS.model, require_tokenizer=False, dtype=FLAGS.dtype)
     batch = FLAGS.batch
     total_tokens = FLAGS.prompt_len + FLAGS.steps + 16
+    speculative = None
+    if FLAGS.num_drafts:
+        speculative = {"method": "ngram", "num_speculative_tokens": FLAGS.num_drafts, "adaptive": False}
+        total_tokens += FLAGS.steps * FLAGS.num_drafts
     engine = Engine(
         loaded,
         EngineConfig(
@@ -167,12 +178,20 @@ def main(argv):
             max_num_seqs=max(batch, 1),
             max_num_batched_tokens=2048,
             max_model_len=total_tokens + 16,
+            speculative_config=speculative,
         ),
     )
     rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0.0, max_tokens=FLAGS.steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=FLAGS.steps * (1 + FLAGS.num_drafts) + 8, ignore_eos=True)
+
+    def random_prompt() -> list[int]:
+        tokens = rng.integers(100, loaded.config.vocab_size, FLAGS.prompt_len)
+        if FLAGS.num_drafts:  # a repeated pattern, which the model continues and prompt lookup drafts
+            tokens = np.resize(tokens[:16], FLAGS.prompt_len)
+        return tokens.tolist()
+
     for index in range(batch):
-        engine.add_request(str(index), rng.integers(100, loaded.config.vocab_size, FLAGS.prompt_len).tolist(), params)
+        engine.add_request(str(index), random_prompt(), params)
     while any(request.num_output_tokens == 0 for request in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefill
     for _ in range(3):
@@ -206,13 +225,14 @@ def main(argv):
         engine.abort(request.request_id)
     engine = Engine(loaded, engine.config)  # a fresh pool with one decode batch, for the device split
     for index in range(batch):
-        prompt = rng.integers(100, loaded.config.vocab_size, FLAGS.prompt_len).tolist()
-        engine.add_request(str(index), prompt, params)
+        engine.add_request(str(index), random_prompt(), params)
     while any(request.num_output_tokens == 0 for request in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     split = _device_split(engine, loaded)
     result = {
         "batch": batch,
+        "num_drafts": FLAGS.num_drafts,
+        "tokens_per_step": split.pop("tokens_per_step"),
         "prompt_len": FLAGS.prompt_len,
         "dtype": FLAGS.dtype,
         "backend": jax.default_backend(),
@@ -224,7 +244,12 @@ def main(argv):
     with open(FLAGS.out + ".json", "w") as f:
         json.dump(result, f, indent=2)
     lines = [
-        f"# One decode step, batch {batch}, context ~{FLAGS.prompt_len}, {FLAGS.dtype} weights (median ms)",
+        f"# One decode step, batch {batch}, context ~{FLAGS.prompt_len}, {FLAGS.dtype} weights (median ms)"
+        + (
+            f", up to {FLAGS.num_drafts} drafts a sequence ({result['tokens_per_step']} tokens)"
+            if FLAGS.num_drafts
+            else ""
+        ),
         "",
         "| phase | ms |",
         "|---|---|",

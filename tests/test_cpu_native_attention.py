@@ -79,6 +79,33 @@ def test_random_layouts(seed):
     _check(case, kv_read="per_token")
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_rows_of_a_token_and_its_drafts(seed):
+    """Speculative verification's shape: each row a decode token and up to 8 drafts (runs the kernel reads each page
+    once for), in half the cases beside a longer chunk (runs of 16 when read per token), long histories, padding."""
+    rng = np.random.default_rng(200 + seed)
+    num_seqs = int(rng.integers(1, 6))
+    kv_lens = rng.integers(20, 700, num_seqs).tolist()
+    q_lens = [int(rng.integers(1, 10)) for _ in kv_lens]
+    if seed % 2:  # a chunk beside them: auto then reads its block by the reference's matmuls
+        q_lens[-1] = min(kv_lens[-1], 1 + 16 * int(rng.integers(1, 3)) + int(rng.integers(0, 16)))
+    case = make_case(
+        seed,
+        kv_lens=kv_lens,
+        q_lens=q_lens,
+        page_size=int(rng.choice([8, 16])),
+        num_kv_heads=int(rng.choice([1, 3])),
+        group=int(rng.choice([1, 3, 4])),
+        head_dim=64,
+        kv_dtype=str(rng.choice(["float32", "bfloat16"])),
+        padded_tokens=sum(q_lens) + int(rng.integers(0, 8)),
+        padded_rows=num_seqs + int(rng.integers(0, 2)),
+    )
+    for kv_read in ("auto", "per_token"):
+        _check(case, kv_read=kv_read)
+    _check(case, kv_read="per_token", sliding_window=int(rng.integers(1, 40)))
+
+
 def test_bad_page_ids_read_inside_the_pool():
     """A block table naming pages past the pool is clamped as XLA clamps a gather: a wrong answer, never a read
     outside the pool's memory."""

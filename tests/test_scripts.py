@@ -52,6 +52,7 @@ def test_profile_step_splits_a_decode_step(tiny_model, tmp_path):
         "profile_step.py", f"--model={tiny_model}", "--batch=2", "--prompt_len=8", "--steps=3", f"--out={out}"
     )
     result = json.loads((tmp_path / "profile.json").read_text())
+    assert result["num_drafts"] == 0 and result["tokens_per_step"] == 2
     phases, split = result["phases_ms"], result["device_split_ms"]
     assert set(phases) >= {"schedule", "step_inputs", "sampling_arrays", "device", "step_total", "host_other"}
     assert all(phases[name] > 0 for name in ("schedule", "step_inputs", "device", "step_total"))
