@@ -340,8 +340,10 @@ def _attend_per_block(q, kv_pages, block_tables, tokens, sliding_window, soft_ca
         def by_tokens():
             return token_reader(q_blk, kv_pages, block_tables, block_tokens, sliding_window, soft_cap)
 
-        short_rows = jnp.sum(live) <= reader_run_tokens * num_block_rows
-        return jax.lax.cond((num_block_rows > _MAX_ROWS_PER_BLOCK) | short_rows, by_tokens, by_rows)
+        to_reader = num_block_rows > _MAX_ROWS_PER_BLOCK
+        if reader_run_tokens:  # and live rows short enough for a reader that reads each row's pages once
+            to_reader |= (num_block_rows > 0) & (jnp.sum(live) <= reader_run_tokens * num_block_rows)
+        return jax.lax.cond(to_reader, by_tokens, by_rows)
 
     out = jax.lax.map(attend_query_block, (blocked_q, blocked))  # [num_q_blocks, Q, N, D]
     return out.reshape(num_tokens, num_q_heads, head_dim)
