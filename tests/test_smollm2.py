@@ -1,4 +1,5 @@
-"""The embedded SmolLM2-135M-Instruct GGUF, checked against transformers' loader, tokenizer and generate."""
+"""The embedded SmolLM2-135M-Instruct GGUF, checked against transformers' loader and generate (its tokenizer against
+transformers' in test_tokenizer)."""
 
 import importlib.util
 import os
@@ -10,11 +11,13 @@ import torch
 import models
 from models.gguf_loading import GGUFCheckpoint
 from models.loading import EMBEDDED_MODEL_FILE, EMBEDDED_MODEL_PACKAGE
+from models.tokenizer import Tokenizer
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 FRANCE_ANSWER = [504, 3575, 282, 4649, 314, 7042, 30, 2]  # "The capital of France is Paris.<|im_end|>"
 
-# A few strings whose ids must match transformers' GGUF tokenizer (the tokenizer is tested in depth elsewhere).
+# A few strings the loaded model's tokenizer must split as the tokenizer test_tokenizer checks against transformers'
+# GGUF tokenizer (these strings are among its SMOL_STRINGS, and FRANCE among its CONVERSATIONS).
 STRINGS = [
     "Hello, world!",
     "naïve café 你好 😀👍🏽",
@@ -55,14 +58,6 @@ def hf_model():
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer():
-    """transformers' tokenizer built from the GGUF metadata."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(embedded_dir(), gguf_file=EMBEDDED_MODEL_FILE)
-
-
-@pytest.fixture(scope="module")
 def prompt_ids(loaded):
     """Token ids of the France question rendered as a chat prompt."""
     text = loaded.tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True)
@@ -86,19 +81,21 @@ def test_dequantized_weights_match_transformers(checkpoint, hf_model):
     assert compared == len(state_dict) == len(checkpoint.tensors) + 1  # + the tied lm_head
 
 
-def test_token_ids_match_transformers(loaded, hf_tokenizer):
-    """Token ids of unicode, whitespace runs and special tokens equal transformers' GGUF tokenizer."""
+def test_the_loaded_tokenizer_is_the_gguf_metadatas(loaded):
+    """models.load's tokenizer encodes, decodes and renders the France chat prompt as the tokenizer built from the
+    GGUF package's own metadata fields does, which test_tokenizer compares with transformers' GGUF tokenizer (one
+    transformers tokenizer build, 8 s, is enough for the suite)."""
+    import gguf
+
+    reader = gguf.GGUFReader(os.path.join(embedded_dir(), EMBEDDED_MODEL_FILE))
+    reference = Tokenizer.from_gguf_metadata({key: field.contents() for key, field in reader.fields.items()})
     for text in STRINGS:
-        expected = hf_tokenizer.encode(text, add_special_tokens=True)
-        assert loaded.tokenizer.encode(text, add_special_tokens=True) == expected, text
-        assert loaded.tokenizer.decode(expected, skip_special_tokens=False) == hf_tokenizer.decode(expected), text
-
-
-def test_chat_template_matches_transformers(loaded, hf_tokenizer):
-    """The France question renders to the same chat prompt as transformers."""
+        ids = reference.encode(text, add_special_tokens=True)
+        assert loaded.tokenizer.encode(text, add_special_tokens=True) == ids, text
+        decoded = reference.decode(ids, skip_special_tokens=False)
+        assert loaded.tokenizer.decode(ids, skip_special_tokens=False) == decoded, text
     ours = loaded.tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True)
-    expected = hf_tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True, tokenize=False)
-    assert ours == expected
+    assert ours == reference.apply_chat_template(FRANCE, add_generation_prompt=True)
     assert ours.endswith("<|im_start|>assistant\n")
 
 

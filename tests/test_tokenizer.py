@@ -36,6 +36,10 @@ SMOL_STRINGS = [
     "<|im_start",
     "it's 1,234.5 don't  42",
     "\u00a0nbsp\u3000ideographic\u200bzero-width",
+    "Hello, world!",
+    "naïve café 你好 😀👍🏽",
+    "   spaces   and\t\ttabs\n\n\nnewlines  ",
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
 ]
 
 SMOL_MISSING_CONTROL = "\x04\x06\x13\x14\x16\x1d"
@@ -52,6 +56,7 @@ CONVERSATIONS = [
         {"role": "user", "content": "first"},
         {"role": "assistant", "content": "second\n\nwith  spaces"},
     ],
+    [{"role": "user", "content": "What is the capital of France?"}],
 ]
 
 
