@@ -19,28 +19,6 @@ def _run_cli(*args, timeout=600):
     )
 
 
-def test_chat_question_is_answered_and_summarized(tmp_path):
-    metrics = tmp_path / "metrics.json"
-    result = _run_cli(
-        "--chat",
-        "--prompt=What is the capital of France?",
-        "--max_tokens=24",
-        "--temperature=0",
-        f"--metrics_json={metrics}",
-        *ENGINE_FLAGS,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Paris" in result.stdout
-    assert "requests finished" in result.stderr and "KV: peak" in result.stderr
-    report = json.loads(metrics.read_text())
-    summary = report["summary"]
-    assert summary["requests"] == 1 and summary["rejected_requests"] == 0
-    assert summary["prompt_tokens"] > 10 and 1 <= summary["generated_tokens"] <= 24
-    assert 1 <= summary["peak_kv_pages_used"] <= 4 and summary["kv_pages_total"] == 63
-    assert 0 <= summary["kv_waste_percent"] < 100 and summary["preemptions"] == 0
-    assert report["engine"]["num_finished_requests"] == 1
-
-
 def test_bad_lines_stop_the_run_before_anything_loads(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "fine"}\n{"prompt": "hot", "temperature": -1}\n{"prompt": "x", "top_k": -2}\n')
@@ -135,3 +113,26 @@ def test_prefix_caching_and_speculation_keep_the_tokens_and_are_summarized(jsonl
     assert off_summary["prefix_hit_tokens"] == 0 and off_summary["kv_pages_cached_idle"] == 0
     assert on_summary["draft_tokens"] == 0 and off_summary["draft_tokens"] > 0 and "# speculation:" in off_stderr
     assert [c["index"] for c in on["samples"]["completions"]] == [0, 1]
+
+
+# After the JSONL runs, whose programs (cached in the worker's folder) cover this run's shapes: it loads them.
+def test_chat_question_is_answered_and_summarized(tmp_path):
+    metrics = tmp_path / "metrics.json"
+    result = _run_cli(
+        "--chat",
+        "--prompt=What is the capital of France?",
+        "--max_tokens=24",
+        "--temperature=0",
+        f"--metrics_json={metrics}",
+        *ENGINE_FLAGS,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Paris" in result.stdout
+    assert "requests finished" in result.stderr and "KV: peak" in result.stderr
+    report = json.loads(metrics.read_text())
+    summary = report["summary"]
+    assert summary["requests"] == 1 and summary["rejected_requests"] == 0
+    assert summary["prompt_tokens"] > 10 and 1 <= summary["generated_tokens"] <= 24
+    assert 1 <= summary["peak_kv_pages_used"] <= 4 and summary["kv_pages_total"] == 63
+    assert 0 <= summary["kv_waste_percent"] < 100 and summary["preemptions"] == 0
+    assert report["engine"]["num_finished_requests"] == 1
