@@ -17,8 +17,9 @@ def _compile_project_bytecode() -> None:
     """Write the checkout's bytecode once, before any worker starts (0.3 s; gitignored __pycache__ folders).
 
     An editable install leaves the project's own modules out of the installer's bytecode compilation, and
-    with PYTHONDONTWRITEBYTECODE set (as on CI machines) every process a full run starts (58 besides its workers:
-    the command line, the scripts and their workers) would compile them again on import: 0.3-0.5 s each.
+    with PYTHONDONTWRITEBYTECODE set (as on CI machines) every process a full run starts (at least 58 besides
+    its workers: the command line, the scripts and their workers) would compile them again on import: 0.3-0.5 s
+    each.
     """
     import compileall
 
