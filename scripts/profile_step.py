@@ -5,9 +5,10 @@ building, device, and inside the device.
 
 Runs B requests of random prompts on the embedded SmolLM2 (f32; --model for another) through the Engine, then
 times --steps decode steps phase by phase (schedule, StepInputs + SamplingArrays, the jitted step until its result
-is ready, the host bookkeeping after it). It then times the same decode batch's device work split three ways, each
-a separate jitted program over the same inputs: the whole step, the step with attention replaced by the KV write
-alone, and the lm_head alone. Writes <out>.json and <out>.md.
+is ready, the host bookkeeping after it). It then splits the same decode batch's device work into parts: the step's
+forward compiled whole and with attention, the KV write, the MLP and the attention block's other work removed one
+after another, all run in turn so that a noisy machine slows each alike (spread_ms gives the noise), plus the
+lm_head and the sampler alone. Writes <out>.json and <out>.md.
 """
 
 import json
@@ -58,15 +59,19 @@ def _median_ms(values) -> float:
     return 1e3 * statistics.median(values)
 
 
-def _device_split(engine, loaded) -> dict:
+def _device_split(engine, loaded, rounds: int = 20) -> dict:
     """Median ms of the decode batch's step, whole and with parts removed one after another, plus the lm_head and
     the sampler alone.
 
-    Each variant is a separate jitted program over the same inputs, with one more part of every layer replaced:
-    attention by the KV write alone, then the KV write too, then the MLP, then the attention block's projections,
-    RoPE and norms. Consecutive differences give each part's share; what is left is the embedding, the lm_head and
-    the sampler.
+    Each variant is the step's forward compiled with one more part of every layer replaced: attention by the KV
+    write alone, then the KV write too, then the MLP, then the attention block's projections, RoPE and norms.
+    Consecutive differences give each part's share; what is left is the embedding, the lm_head and the sampler.
+    Every variant is compiled first and the variants then run in turn, `rounds` times, so a slow spell of a
+    shared machine falls on all of them alike; `spread_ms` is the largest interquartile range among them, the
+    noise a part's figure carries.
     """
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -74,33 +79,21 @@ def _device_split(engine, loaded) -> dict:
     import models.layers
     from pallas_kernels import write_kv
     from paxkv.execution.sampler import sample
-    from paxkv.execution.step import run_step, static_graph
+    from paxkv.execution.step import forward_step, sample_step, static_graph
 
     # The batch is only read here (never run through Engine.step), so the scheduler needs no update.
     batch = engine.scheduler.schedule()
     step_batch, with_logprobs = engine.runner.step_batch(batch, engine.outputs.seed_of)
     num_rows = step_batch.sampling.temperature.shape[-1]
+    draft_indices = None if step_batch.drafts is None else step_batch.drafts.logits_indices
+    sampling_batch = dataclasses.replace(step_batch, inputs=None)
+    caches = jax.tree.map(jnp.copy, engine.kv_caches)
 
-    def time_call(fn, *args, repeats=10):
-        jax.block_until_ready(fn(*args))  # compile and warm
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - start)
-        return _median_ms(times)
-
-    def time_step():
-        # Equal graphdefs share one StaticGraph, so only clearing jit's caches makes the patched model recompile.
+    def compile_forward():
+        # Equal graphdefs share one StaticGraph, so only clearing jit's caches makes the patched model retrace.
         jax.clear_caches()
-        caches = jax.tree.map(jnp.copy, engine.kv_caches)
-
-        def step():
-            nonlocal caches
-            out, caches = run_step(static_graph(loaded.graphdef), loaded.state, caches, step_batch, with_logprobs)
-            return out
-
-        return time_call(step)
+        graph = static_graph(loaded.graphdef)
+        return forward_step.trace(graph, loaded.state, caches, step_batch.inputs, draft_indices).lower().compile()
 
     def write_only(q, k, v, kv_pages, metadata, **kwargs):
         return q, write_kv(kv_pages, k, v, metadata.slots)
@@ -125,20 +118,50 @@ def _device_split(engine, loaded) -> dict:
         (models.layers.GatedMLP, "__call__", models.layers.GatedMLP.__call__),
         (models.layers.PagedAttention, "__call__", models.layers.PagedAttention.__call__),
     ]
-    split = {"tokens_per_step": batch.num_batched_tokens, "device_step_ms": time_step()}
-    previous = split["device_step_ms"]
+    forwards = {"device_step": compile_forward()}
     try:
         for part, patches in removals:
             for owner, name, replacement in patches:
                 setattr(owner, name, replacement)
-            remaining = time_step()
-            split[f"{part}_ms"] = previous - remaining
-            previous = remaining
+            forwards[part] = compile_forward()
     finally:
         for owner, name, original in originals:
             setattr(owner, name, original)
         jax.clear_caches()
-    split["embedding_lm_head_sampling_ms"] = previous
+    logits_info = jax.tree.leaves(forwards["device_step"].out_info)[0]
+    logits_shape = jax.ShapeDtypeStruct(logits_info.shape, logits_info.dtype)
+    sampling = sample_step.trace(logits_shape, sampling_batch, with_logprobs).lower().compile()
+
+    def run(forward):
+        nonlocal caches
+        logits, caches = forward(loaded.state, caches, step_batch.inputs, draft_indices)
+        return sampling(logits, sampling_batch)
+
+    times = {name: [] for name in forwards}
+    for forward in forwards.values():
+        jax.block_until_ready(run(forward))  # warm
+    for _ in range(rounds):
+        for name, forward in forwards.items():
+            start = time.perf_counter()
+            jax.block_until_ready(run(forward))
+            times[name].append(time.perf_counter() - start)
+    medians = {name: _median_ms(values) for name, values in times.items()}
+    split = {"tokens_per_step": batch.num_batched_tokens, "device_step_ms": medians["device_step"]}
+    names = list(forwards)
+    for previous, part in zip(names, names[1:], strict=False):
+        split[f"{part}_ms"] = medians[previous] - medians[part]
+    split["embedding_lm_head_sampling_ms"] = medians[names[-1]]
+    quartiles = [statistics.quantiles(values, n=4) for values in times.values()]
+    split["spread_ms"] = 1e3 * max(upper - lower for lower, _, upper in quartiles)
+
+    def time_call(fn, *args):
+        jax.block_until_ready(fn(*args))  # compile and warm
+        samples = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            samples.append(time.perf_counter() - start)
+        return _median_ms(samples)
 
     hidden = jnp.ones((num_rows, loaded.config.hidden_size), jnp.float32)
     logits_fn = jax.jit(lambda state, h: nnx.merge(loaded.graphdef, state).logits(h))
