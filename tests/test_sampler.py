@@ -5,7 +5,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paxkv.execution.sampler import SamplingArrays, apply_penalties, filtered_logits, sample, top_logprobs
+from paxkv.execution.sampler import (
+    SamplingArrays,
+    apply_penalties,
+    filtered_logits,
+    first_argmax,
+    gumbel_max,
+    row_keys,
+    sample,
+    top_logprobs,
+)
 from paxkv.scheduling.sampling_params import SamplingParams
 
 sample_jit = jax.jit(sample)
@@ -148,6 +157,25 @@ def test_greedy_rows_are_exact_argmax():
     # An all-greedy batch (the fast path) gives the same argmax.
     all_greedy = SamplingArrays.from_params([SamplingParams(temperature=0.0)] * 8, positions=[0] * 8)
     np.testing.assert_array_equal(np.asarray(sample_jit(jnp.asarray(logits), all_greedy)[0]), np.argmax(logits, -1))
+
+
+def test_first_argmax_and_gumbel_max_are_jaxs_own():
+    """The two-reduction argmax picks what jnp.argmax picks (first of tied maxima, first NaN, 0 for a row of -inf),
+    and the Gumbel-max draw is jax.random.categorical's, key for key."""
+    rng = np.random.default_rng(3)
+    values = rng.integers(-3, 3, (64, 37)).astype(np.float32)  # many ties
+    values[rng.random(values.shape) < 0.1] = -np.inf
+    values[rng.random(values.shape) < 0.02] = np.nan
+    values[5] = -np.inf
+    values[6, [4, 9]] = np.nan
+    assert np.isnan(values).any(axis=-1).sum() >= 3
+    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(values))), np.asarray(jnp.argmax(values, -1)))
+    arrays = SamplingArrays.from_params([SamplingParams(temperature=1.0, seed=row) for row in range(16)], [9] * 16)
+    logits = jnp.asarray(rng.normal(size=(16, 500)).astype(np.float32))
+    keys = row_keys(arrays)
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(gumbel_max)(keys, logits)), np.asarray(jax.vmap(jax.random.categorical)(keys, logits))
+    )
 
 
 def test_sampled_logprob_is_under_final_distribution():

@@ -239,6 +239,33 @@ def filtered_logits(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
     return jnp.where(keep, scaled, -jnp.inf)
 
 
+def first_argmax(values: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (the first maximum, or the first NaN where a row holds one), as two plain
+    reductions. i32[...].
+
+    jnp.argmax lowers to one reduction over (value, index) pairs, which libtpu compiles slowly (v6e, [32, 128256]
+    f32: 0.81 s alone and 5.3 s with the Gumbel noise fused into it, against 0.16 s and 2.2 s for these two) and
+    XLA:CPU runs slowly ([32, 49152]: 3.8 ms against 1.3 ms; with the noise, 27 ms against 11 ms).
+    """
+    largest = jnp.max(values, axis=-1, keepdims=True)  # NaN where the row holds one
+    index = jax.lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
+    hits = (values == largest) | jnp.isnan(values)
+    return jnp.min(jnp.where(hits, index, values.shape[-1]), axis=-1)
+
+
+def gumbel_max(keys: jax.Array, logits: jax.Array) -> jax.Array:
+    """One draw per row from softmax(logits), with row i's key: exactly jax.random.categorical's Gumbel-max draw
+    (the same noise, the same first maximum), taken with first_argmax. i32[B].
+
+    Args:
+      keys: key[B], typed PRNG keys.
+      logits: f32[B, V], -inf where a token is excluded.
+    """
+    vocab = logits.shape[-1]
+    noise = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), logits.dtype))(keys)  # f32[B, V]
+    return first_argmax(noise + logits)
+
+
 def sample(
     logits: jax.Array,
     arrays: SamplingArrays,
@@ -270,12 +297,12 @@ def sample(
     logits = apply_penalties(logits, arrays, token_counts, prompt_mask)  # f32[B, V]
 
     greedy = arrays.temperature < GREEDY_TEMPERATURE_EPS  # bool[B]
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # i32[B]
+    greedy_tokens = first_argmax(logits)  # i32[B]
     greedy_logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), greedy_tokens[:, None], axis=-1)[:, 0]
 
     def sampled() -> tuple[jax.Array, jax.Array]:
         kept = filtered_logits(logits, arrays)  # f32[B, V]
-        tokens = jax.vmap(jax.random.categorical)(row_keys(arrays), kept).astype(jnp.int32)  # i32[B]
+        tokens = gumbel_max(row_keys(arrays), kept)  # i32[B]
         logprobs = jnp.take_along_axis(jax.nn.log_softmax(kept, axis=-1), tokens[:, None], axis=-1)[:, 0]
         return jnp.where(greedy, greedy_tokens, tokens), jnp.where(greedy, greedy_logprobs, logprobs)
 
