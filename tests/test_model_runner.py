@@ -10,6 +10,7 @@ from paxkv.execution.aot import step_buckets
 from paxkv.execution.kv_pool import KVPool
 from paxkv.execution.model_runner import ModelRunner
 from paxkv.execution.step import num_step_compilations
+from paxkv.execution.step_inputs import default_min_padded_seqs
 from paxkv.scheduling.preemption import PreemptionPolicy
 from paxkv.scheduling.request import Request
 from paxkv.scheduling.sampling_params import SamplingParams
@@ -63,18 +64,19 @@ class _Moves:
         self.page_copies, self.swap_out, self.swap_in = list(page_copies), list(swap_out), list(swap_in)
 
 
-def test_warm_up_compiles_every_plain_bucket_so_steps_compile_nothing(tiny_llama_checkpoint):
-    """warm_up runs each (T, S) bucket once on padding (the null page only): afterwards a mix of prefills and
-    decodes compiles no program, and the pages the warm-up touched are only the null page."""
-    loaded = models.load(tiny_llama_checkpoint(), require_tokenizer=False)
-    config = EngineConfig(page_size=8, num_pages=32, max_num_seqs=4, max_num_batched_tokens=32)
+def _warm_runner(loaded, **overrides) -> tuple[ModelRunner, KVPool]:
+    """A runner over a fresh 32-page pool (4 rows, 32 tokens a step), warmed up."""
+    config = EngineConfig(page_size=8, num_pages=32, max_num_seqs=4, max_num_batched_tokens=32, **overrides)
     pool = KVPool(loaded.config, config, jnp.float32, None)
     runner = ModelRunner(
         loaded, pool, PreemptionPolicy("recompute", pool.bytes_per_page, 0), config, max_model_len=64, mesh=None
     )
-    assert runner.warm_up() == len(step_buckets(32, 4)) == len(runner.step_shapes)
-    for layer in pool.kv_caches:
-        assert float(jnp.max(jnp.abs(layer[1:]))) == 0.0  # only the null page was written
+    runner.warm_up()
+    return runner, pool
+
+
+def _greedy_after_warm_up(runner: ModelRunner) -> dict[str, list[int]]:
+    """Prefills and decodes of three requests (4 new tokens each); every step must reuse a warmed-up program."""
     before = num_step_compilations()
     scheduler = Scheduler(
         num_replicas=1, pages_per_replica=32, page_size=8, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64
@@ -83,12 +85,38 @@ def test_warm_up_compiles_every_plain_bucket_so_steps_compile_nothing(tiny_llama
         scheduler.add_request(
             Request(f"r{index}", list(range(1, length + 1)), SamplingParams(temperature=0.0, max_tokens=4))
         )
+    tokens = {f"r{index}": [] for index in range(3)}
     while scheduler.has_unfinished_requests():
         batch = scheduler.schedule()
         sampled = runner.run(batch, lambda request_id: 0)
         assert not runner.last_step_compiled
-        scheduler.update(
-            batch,
-            {s.request.request_id: int(sampled.tokens[i]) for i, s in enumerate(batch.sequences) if s.completes_prompt},
-        )
+        emitted = {
+            s.request.request_id: int(sampled.tokens[i]) for i, s in enumerate(batch.sequences) if s.completes_prompt
+        }
+        for request_id, token in emitted.items():
+            tokens[request_id].append(token)
+        scheduler.update(batch, emitted)
     assert num_step_compilations() == before
+    return tokens
+
+
+def test_warm_up_compiles_every_plain_bucket_so_steps_compile_nothing(tiny_llama_checkpoint):
+    """warm_up runs each (T, S) bucket once on padding (the null page only): afterwards a mix of prefills and
+    decodes compiles no program, and the pages the warm-up touched are only the null page."""
+    loaded = models.load(tiny_llama_checkpoint(), require_tokenizer=False)
+    runner, pool = _warm_runner(loaded)
+    assert runner.min_padded_seqs == default_min_padded_seqs("cpu") == 1
+    assert len(step_buckets(32, 4)) == len(runner.step_shapes)
+    for layer in pool.kv_caches:
+        assert float(jnp.max(jnp.abs(layer[1:]))) == 0.0  # only the null page was written
+    reference = _greedy_after_warm_up(runner)
+    assert all(len(tokens) == 4 for tokens in reference.values())
+    # A row floor (TPU's default of 8, here 4 = max_num_seqs): every step pads to S = 4 rows, three programs cover
+    # every step, and the tokens are the unpadded runner's.
+    assert default_min_padded_seqs("tpu") == 8
+    floored, _ = _warm_runner(loaded, min_padded_seqs=3)
+    assert step_buckets(32, 4, 3) == [(4, 4), (16, 4), (32, 4)] == sorted(s[:2] for s in floored.step_shapes)
+    assert _greedy_after_warm_up(floored) == reference
+    assert {shape[1] for shape in floored.step_shapes} == {4}
+    with pytest.raises(ValueError, match="min_padded_seqs must be a positive integer"):
+        EngineConfig(min_padded_seqs=0)

@@ -21,7 +21,9 @@ def loaded(tiny_llama_checkpoint):
 
 
 def _engine(loaded, caching: bool, **config) -> Engine:
+    # min_padded_seqs: TPU's row floor, for fewer programs to compile (steps of fewer rows: test_engine).
     defaults = dict(num_pages=600, page_size=PAGE, max_num_seqs=8, max_num_batched_tokens=512, max_model_len=1200)
+    defaults["min_padded_seqs"] = 8
     return Engine(loaded, EngineConfig(enable_prefix_caching=caching, **{**defaults, **config}))
 
 

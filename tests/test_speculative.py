@@ -195,8 +195,15 @@ def _generate(loaded, speculative, params=_greedy, num_prompts: int = 32, **conf
     Args:
       params: prompt index -> its SamplingParams.
     """
-    # 64 pages are too few for 16 requests at their longest: some are preempted.
-    defaults = {"num_pages": 64, "page_size": 8, "max_num_seqs": 16, "max_num_batched_tokens": 128}
+    # 64 pages are too few for 16 requests at their longest: some are preempted. Steps pad to at least 8 rows (TPU's
+    # row floor), for fewer programs to compile (steps of fewer rows: test_engine).
+    defaults = {
+        "num_pages": 64,
+        "page_size": 8,
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": 128,
+        "min_padded_seqs": 8,
+    }
     engine = Engine(loaded, EngineConfig(**{**defaults, **config}, speculative_config=speculative))
     for index, prompt in enumerate(_prompts()[:num_prompts]):
         engine.add_request(str(index), prompt, params(index))

@@ -41,7 +41,8 @@ def _prompts(vocab_size: int) -> list[list[int]]:
 
 
 def _greedy(loaded, prompts, **config) -> tuple[Engine, list[list[int]]]:
-    engine = Engine(loaded, EngineConfig(page_size=8, num_pages=64, max_num_seqs=4, **config))
+    # min_padded_seqs: TPU's row floor, for fewer programs to compile (steps of fewer rows: test_engine).
+    engine = Engine(loaded, EngineConfig(page_size=8, num_pages=64, max_num_seqs=4, min_padded_seqs=8, **config))
     for index, prompt in enumerate(prompts):
         engine.add_request(str(index), prompt, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
     outputs = drain(engine)
@@ -121,7 +122,9 @@ def test_swap_preemption_and_forks_on_the_mesh(eight_kv_heads):
     prompts = [rng.integers(1, 256, n).tolist() for n in (21, 37, 45, 29, 50, 33)]
 
     def run(loaded):
-        config = EngineConfig(page_size=8, num_pages=20, max_num_seqs=6, preemption_mode="swap", kv_cache_dtype="int8")
+        config = EngineConfig(
+            page_size=8, num_pages=20, max_num_seqs=6, min_padded_seqs=8, preemption_mode="swap", kv_cache_dtype="int8"
+        )
         engine = Engine(loaded, config)
         for index, prompt in enumerate(prompts):
             n = 2 if index == 0 else 1
@@ -152,7 +155,7 @@ def test_smollm2_replicates_its_three_kv_heads_on_model_2(caplog):
     """SmolLM2's 3 KV heads do not divide model=2: its pool and K/V are replicated, loudly, and the MLP split."""
     loaded = _on_mesh(None, 2)
     with caplog.at_level(logging.WARNING, logger="paxkv.parallel.mesh"):
-        engine = Engine(loaded, EngineConfig(page_size=8, num_pages=64, max_num_seqs=4))
+        engine = Engine(loaded, EngineConfig(page_size=8, num_pages=64, max_num_seqs=4, min_padded_seqs=8))
     assert "REPLICATED" in caplog.text and "3 KV heads" in caplog.text
     assert spec_of(engine.kv_caches[0]) == ()
     state = {path[-1]: variable.get_value() for path, variable in nnx.to_flat_state(loaded.state)}

@@ -24,7 +24,7 @@ from pallas_kernels import pages_for
 from paxkv.execution.kv_pool import abstract_pool, kv_bytes_per_page, kv_storage_dtype
 from paxkv.execution.step import StepBatch, forward_step, sample_step, static_graph
 from paxkv.execution.step_arguments import empty_step_batch
-from paxkv.execution.step_inputs import MIN_PREFILL_TOKENS, power_of_two_buckets
+from paxkv.execution.step_inputs import MIN_PREFILL_TOKENS, power_of_two_bucket, power_of_two_buckets
 from paxkv.parallel.mesh import num_scale_groups
 
 logger = logging.getLogger(__name__)
@@ -249,11 +249,13 @@ def _num_shards(sharding, shape) -> int:
     return math.prod(shape) // math.prod(sharding.shard_shape(shape)) if math.prod(shape) else 1
 
 
-def step_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
-    """The (T, S) bucket pairs a step can take: T a power of two up to the token budget, S up to the row budget and
-    never above T (a row holds at least one token), and T below MIN_PREFILL_TOKENS only for decodes (T = S)."""
+def step_buckets(max_num_batched_tokens: int, max_num_seqs: int, min_padded_seqs: int = 1) -> list[tuple[int, int]]:
+    """The (T, S) bucket pairs a step can take: T a power of two up to the token budget, S from min_padded_seqs's
+    bucket up to the row budget and never above T (a row holds at least one token), and T below MIN_PREFILL_TOKENS
+    only for decodes (T = S)."""
     token_buckets = power_of_two_buckets(max_num_batched_tokens)
-    seq_buckets = power_of_two_buckets(max_num_seqs)
+    smallest = power_of_two_bucket(min(min_padded_seqs, max_num_batched_tokens), max_num_seqs)
+    seq_buckets = [s for s in power_of_two_buckets(max_num_seqs) if s >= smallest]
     floor = min(bucket(MIN_PREFILL_TOKENS), bucket(max_num_batched_tokens))
     return [(t, s) for t in token_buckets for s in seq_buckets if s == t or s < t >= floor]
 

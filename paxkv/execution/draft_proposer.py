@@ -144,6 +144,7 @@ class DraftModelProposer:
         pages_per_seq: int,
         max_num_batched_tokens: int,
         max_num_seqs: int,
+        min_padded_seqs: int = 1,
         mesh,
     ):
         """Args:
@@ -151,12 +152,14 @@ class DraftModelProposer:
         num_speculative_tokens: K, the most drafts a row asks for.
         page_size, pages_per_seq: the pool's page size and block-table width.
         max_num_batched_tokens, max_num_seqs: the step budgets (its largest buckets).
+        min_padded_seqs: the smallest S bucket, as the target's step.
         mesh: the engine's mesh, or None for one device.
         """
         self.draft = draft
         self.num_drafts = num_speculative_tokens
         self.page_size, self.pages_per_seq = page_size, pages_per_seq
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.min_padded_seqs = min_padded_seqs
         self.mesh = mesh
         self._graph = static_graph(draft.graphdef)
 
@@ -178,7 +181,7 @@ class DraftModelProposer:
             )
             for replica in batch.replica_batches
         ]
-        padded_sizes = shared_padded_sizes(plain, self.max_num_batched_tokens, self.max_num_seqs)
+        padded_sizes = shared_padded_sizes(plain, self.max_num_batched_tokens, self.max_num_seqs, self.min_padded_seqs)
         inputs = [
             StepInputs.from_batch(
                 replica,

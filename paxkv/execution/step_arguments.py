@@ -23,6 +23,7 @@ def build_step_batch(
     seed_of: Callable[[str], int],
     vocab_size: int,
     eos_token_ids: list[int],
+    min_padded_seqs: int = 1,
 ) -> tuple[StepBatch, bool]:
     """The step's batch argument (numpy arrays, every leaf [D, ...]) and its logprobs flag, for a batch.
 
@@ -35,8 +36,9 @@ def build_step_batch(
       seed_of: request id -> the seed of that sample.
       vocab_size: the model's vocabulary size.
       eos_token_ids: tokens min_tokens holds back (unless a request ignores EOS).
+      min_padded_seqs: the smallest S bucket.
     """
-    padded_sizes = shared_padded_sizes(batch.replica_batches, max_num_batched_tokens, max_num_seqs)
+    padded_sizes = shared_padded_sizes(batch.replica_batches, max_num_batched_tokens, max_num_seqs, min_padded_seqs)
     needed = [vocab_arrays_needed(b) for b in batch.replica_batches]
     force = (any(n[0] for n in needed), any(n[1] for n in needed))
     most_drafts = max(num_draft_rows(b) for b in batch.replica_batches)

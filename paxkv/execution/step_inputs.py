@@ -31,21 +31,35 @@ def num_buckets(maximum: int) -> int:
 # every step (on CPU an 8-row matmul costs ~1.6x a 1-row one).
 MIN_PREFILL_TOKENS = 16
 
+# Where EngineConfig.min_padded_seqs is not given: a TPU vector register holds 8 f32 rows (sublanes), so a step of
+# 1, 2 or 4 rows costs what one of 8 does there, and their programs would only add compiles (vLLM's TPU runner pads
+# to 8 too). On CPU a 1-row decode is much cheaper than an 8-row one (see `bucket`).
+DEFAULT_MIN_PADDED_SEQS = {"tpu": 8}
 
-def padded_batch_sizes(batch: ReplicaBatch, max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, int]:
-    """(T, S): the token and row buckets a batch pads to."""
+
+def default_min_padded_seqs(platform: str) -> int:
+    """The row bucket a step pads to at least on `platform` ("cpu", "gpu", "tpu") unless the config says."""
+    return DEFAULT_MIN_PADDED_SEQS.get(platform, 1)
+
+
+def padded_batch_sizes(
+    batch: ReplicaBatch, max_num_batched_tokens: int, max_num_seqs: int, min_padded_seqs: int = 1
+) -> tuple[int, int]:
+    """(T, S): the token and row buckets a batch pads to; S at least min_padded_seqs, T at least S (a decode of
+    S rows is T = S)."""
     num_tokens = batch.num_batched_tokens
     if any(s.num_new_tokens - s.num_draft_tokens > 1 for s in batch.sequences):  # drafts alone are no prefill
         num_tokens = max(num_tokens, MIN_PREFILL_TOKENS)
-    return (
-        power_of_two_bucket(num_tokens, max_num_batched_tokens),
-        power_of_two_bucket(batch.num_seqs, max_num_seqs),
-    )
+    floor = min(min_padded_seqs, max_num_batched_tokens)  # never more rows than the token budget's bucket
+    num_seqs = power_of_two_bucket(max(batch.num_seqs, floor), max_num_seqs)
+    return power_of_two_bucket(max(num_tokens, num_seqs), max_num_batched_tokens), num_seqs
 
 
-def shared_padded_sizes(batches: list[ReplicaBatch], max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, int]:
+def shared_padded_sizes(
+    batches: list[ReplicaBatch], max_num_batched_tokens: int, max_num_seqs: int, min_padded_seqs: int = 1
+) -> tuple[int, int]:
     """(T, S) that every replica's batch pads to: the largest of their own buckets (data replicas share one shape)."""
-    sizes = [padded_batch_sizes(b, max_num_batched_tokens, max_num_seqs) for b in batches]
+    sizes = [padded_batch_sizes(b, max_num_batched_tokens, max_num_seqs, min_padded_seqs) for b in batches]
     return max(size[0] for size in sizes), max(size[1] for size in sizes)
 
 
@@ -68,6 +82,7 @@ class StepInputs:
         max_num_seqs: int,
         pages_per_seq: int,
         padded_sizes: tuple[int, int] | None = None,
+        min_padded_seqs: int = 1,
     ) -> "StepInputs":
         """Lay out a batch: rows in batch order, tokens contiguous per row, everything padded to buckets.
 
@@ -77,9 +92,12 @@ class StepInputs:
           max_num_seqs: the sequence budget (largest S bucket).
           pages_per_seq: block-table width, ceil(max_model_len / page_size).
           padded_sizes: (T, S) to pad to instead of the batch's own buckets (data replicas share one shape).
+          min_padded_seqs: the smallest S bucket, where padded_sizes is not given.
         """
         num_tokens = batch.num_batched_tokens
-        padded_tokens, padded_seqs = padded_sizes or padded_batch_sizes(batch, max_num_batched_tokens, max_num_seqs)
+        padded_tokens, padded_seqs = padded_sizes or padded_batch_sizes(
+            batch, max_num_batched_tokens, max_num_seqs, min_padded_seqs
+        )
         tokens = np.zeros(padded_tokens, np.int32)
         positions = np.zeros(padded_tokens, np.int32)
         slots = np.zeros(padded_tokens, np.int32)  # padded tokens write into the null page
