@@ -24,7 +24,10 @@ from paxkv import LLM, SamplingParams
 from paxkv.serving.api_server import ServerConfig, build_app
 from paxkv.serving.engine_loop import EngineDeadError, EngineLoop
 
-ENGINE = dict(num_pages=192, page_size=8, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=128)
+# min_padded_seqs: TPU's row floor, for fewer programs to compile (steps of fewer rows: test_engine).
+ENGINE = dict(
+    num_pages=192, page_size=8, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=128, min_padded_seqs=8
+)
 MODEL = "tiny-chat"
 KEYS = ("key-a", "key-b")
 PROMPTS = ["The sky is", "1, 2, 3,", "Once upon a time", "paged attention"]
@@ -364,7 +367,7 @@ def test_paxkv_serve_runs_and_stops_on_sigterm(chat_llama):
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "paxkv.entrypoints.run", "serve", f"--model={chat_llama}", f"--port={port}"]
     command += ["--max_model_len=128", "--num_pages=64", "--page_size=8", "--max_num_batched_tokens=32"]
-    command += ["--max_num_seqs=4"]
+    command += ["--max_num_seqs=4", "--min_padded_seqs=8"]
     process = subprocess.Popen(command, env=subprocess_env(), stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -383,7 +386,7 @@ def test_paxkv_serve_runs_and_stops_on_sigterm(chat_llama):
         assert process.wait(60) == -signal.SIGTERM
         stderr = process.stderr.read()
         assert f"http://127.0.0.1:{port}/v1" in stderr and "Finished server process" in stderr, stderr
-        assert "# warm-up: 9 step buckets" in stderr
+        assert "# warm-up: 3 step buckets" in stderr  # (4, 4), (16, 4), (32, 4): every step pads to the 4 rows
     finally:
         process.kill()
 
