@@ -113,8 +113,9 @@ class EngineConfig:
     max_num_batched_tokens: int = option(512, "Most tokens in one step (per data replica).")
     min_padded_seqs: int | None = option(
         None,
-        "Steps of fewer sequences pad to this many rows (rounded up to a power of two): fewer programs to compile, "
-        "more padding in small steps (default: 8 on TPU, where 8 rows cost what 1 does; 1 elsewhere).",
+        "Steps of fewer sequences (or draft rows) pad to this many rows (rounded up to a power of two): fewer "
+        "programs to compile, more padding in small steps (default: 8 on TPU, where 8 rows cost what 1 does; 1 "
+        "elsewhere).",
     )
     max_model_len: int | None = option(None, "Longest prompt plus output (default: min(model context, 4096)).")
     kv_cache_dtype: str = option(

@@ -36,13 +36,14 @@ def build_step_batch(
       seed_of: request id -> the seed of that sample.
       vocab_size: the model's vocabulary size.
       eos_token_ids: tokens min_tokens holds back (unless a request ignores EOS).
-      min_padded_seqs: the smallest S bucket.
+      min_padded_seqs: the smallest S bucket, and the smallest R bucket of draft rows.
     """
     padded_sizes = shared_padded_sizes(batch.replica_batches, max_num_batched_tokens, max_num_seqs, min_padded_seqs)
     needed = [vocab_arrays_needed(b) for b in batch.replica_batches]
     force = (any(n[0] for n in needed), any(n[1] for n in needed))
     most_drafts = max(num_draft_rows(b) for b in batch.replica_batches)
-    padded_drafts = bucket(most_drafts) if most_drafts else 0  # R: a power of two, or no draft rows
+    # R: a power of two of at least min_padded_seqs rows (as S), or no draft rows.
+    padded_drafts = bucket(most_drafts, min(min_padded_seqs, max_num_batched_tokens)) if most_drafts else 0
 
     def replica_batch(replica: ReplicaBatch) -> StepBatch:
         inputs = StepInputs.from_batch(
