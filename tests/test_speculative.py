@@ -243,6 +243,9 @@ def test_greedy_output_is_unchanged_by_speculation(loaded, greedy_reference, pre
     preempted = metrics.num_preemptions_swap if preemption_mode == "swap" else metrics.num_preemptions_recompute
     assert preempted > 0 and metrics.num_preemptions == preempted
     assert engine.num_compilations <= engine.max_step_programs
+    # Rows and draft rows both pad to the floor of 8 (min_padded_seqs): (T, S, ..., R) with S, and R when any, >= 8.
+    shapes = engine.runner.step_shapes
+    assert min(s[1] for s in shapes) == 8 and min(s[5] for s in shapes if s[5]) == 8
 
 
 def test_a_draft_model_leaves_greedy_output_unchanged_through_preemption_by_swap(
