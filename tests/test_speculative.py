@@ -292,9 +292,13 @@ def test_the_target_as_its_own_draft_has_every_sampled_draft_accepted(engine_lla
     def sampled(index: int) -> SamplingParams:
         return SamplingParams(temperature=0.9, top_p=0.95, seed=index, max_tokens=12, ignore_eos=True, logprobs=0)
 
-    _, engine = _generate(loaded, _draft_model(engine_llama_checkpoint), sampled, num_prompts=6)
+    # A floor of 3 rows rounds up to 4, for rows and for draft rows alike.
+    draft = _draft_model(engine_llama_checkpoint, num_speculative_tokens=2)  # 1 row drafting: R = 2, padded to 4
+    _, engine = _generate(loaded, draft, sampled, num_prompts=6, min_padded_seqs=3)
     metrics = engine.metrics
     assert metrics.num_draft_tokens > 20 and metrics.num_accepted_draft_tokens == metrics.num_draft_tokens
+    padded_rows = {s[1] for s in engine.runner.step_shapes} | {s[5] for s in engine.runner.step_shapes if s[5]}
+    assert min(padded_rows) == 4 and all(n & (n - 1) == 0 for n in padded_rows), padded_rows
 
 
 def test_seeded_samples_and_an_8_bit_pool_are_unchanged_by_speculation(loaded, truncated_draft):

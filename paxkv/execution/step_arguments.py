@@ -43,7 +43,7 @@ def build_step_batch(
     force = (any(n[0] for n in needed), any(n[1] for n in needed))
     most_drafts = max(num_draft_rows(b) for b in batch.replica_batches)
     # R: a power of two of at least min_padded_seqs rows (as S), or no draft rows.
-    padded_drafts = bucket(most_drafts, min(min_padded_seqs, max_num_batched_tokens)) if most_drafts else 0
+    padded_drafts = bucket(max(most_drafts, min(min_padded_seqs, max_num_batched_tokens))) if most_drafts else 0
 
     def replica_batch(replica: ReplicaBatch) -> StepBatch:
         inputs = StepInputs.from_batch(
