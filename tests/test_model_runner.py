@@ -71,7 +71,7 @@ def _warm_runner(loaded, **overrides) -> tuple[ModelRunner, KVPool]:
     runner = ModelRunner(
         loaded, pool, PreemptionPolicy("recompute", pool.bytes_per_page, 0), config, max_model_len=64, mesh=None
     )
-    runner.warm_up()
+    assert runner.warm_up() == len(runner.step_shapes)  # one run per bucket
     return runner, pool
 
 
@@ -111,8 +111,8 @@ def test_warm_up_compiles_every_plain_bucket_so_steps_compile_nothing(tiny_llama
         assert float(jnp.max(jnp.abs(layer[1:]))) == 0.0  # only the null page was written
     reference = _greedy_after_warm_up(runner)
     assert all(len(tokens) == 4 for tokens in reference.values())
-    # A row floor (TPU's default of 8, here 4 = max_num_seqs): every step pads to S = 4 rows, three programs cover
-    # every step, and the tokens are the unpadded runner's.
+    # A row floor (TPU's default is 8; here 3, rounded up to 4 = max_num_seqs): every step pads to S = 4 rows,
+    # three programs cover every step, and the tokens are the unpadded runner's.
     assert default_min_padded_seqs("tpu") == 8
     floored, _ = _warm_runner(loaded, min_padded_seqs=3)
     assert step_buckets(32, 4, 3) == [(4, 4), (16, 4), (32, 4)] == sorted(s[:2] for s in floored.step_shapes)
