@@ -340,8 +340,7 @@ def run_step_programs(args, tpu: deviceless.Target) -> tuple[list[dict], dict]:
     )
     min_padded_seqs = args.min_padded_seqs or default_min_padded_seqs(tpu.platform)
     buckets = aot.step_buckets(args.max_num_batched_tokens, args.max_num_seqs, min_padded_seqs)
-    if args.buckets == "largest":
-        buckets = buckets[-1:]
+    buckets = buckets[-1:] if args.buckets == "largest" else buckets
     rows = []
     for num_tokens, num_seqs in buckets:
         row = dict(num_tokens=num_tokens, num_seqs=num_seqs)
@@ -447,7 +446,7 @@ def main() -> int:
     parser.add_argument("--page_size", type=int, default=16)
     parser.add_argument("--max_num_batched_tokens", type=int, default=512)
     parser.add_argument("--max_num_seqs", type=int, default=32)
-    parser.add_argument("--min_padded_seqs", type=int, help="the smallest S bucket (default: the engine's for TPU, 8)")
+    parser.add_argument("--min_padded_seqs", type=int, help="the smallest S bucket (default: TPU's, 8)")
     parser.add_argument("--max_model_len", type=int, default=4096)
     parser.add_argument("--buckets", choices=("all", "largest"), default="all")
     parser.add_argument("--logprobs", action="store_true", help="compile the logprobs variant of each step")
