@@ -195,14 +195,14 @@ def _generate(loaded, speculative, params=_greedy, num_prompts: int = 32, **conf
     Args:
       params: prompt index -> its SamplingParams.
     """
-    # 64 pages are too few for 16 requests at their longest: some are preempted. Steps pad to at least 8 rows (TPU's
-    # row floor), for fewer programs to compile (steps of fewer rows: test_engine).
+    # 64 pages are too few for 16 requests at their longest: some are preempted. Steps pad to 16 rows (and draft rows),
+    # for fewer programs to compile (steps of fewer rows: test_engine; floors below the row count: the tests below).
     defaults = {
         "num_pages": 64,
         "page_size": 8,
         "max_num_seqs": 16,
         "max_num_batched_tokens": 128,
-        "min_padded_seqs": 8,
+        "min_padded_seqs": 16,
     }
     engine = Engine(loaded, EngineConfig(**{**defaults, **config}, speculative_config=speculative))
     for index, prompt in enumerate(_prompts()[:num_prompts]):
@@ -243,9 +243,10 @@ def test_greedy_output_is_unchanged_by_speculation(loaded, greedy_reference, pre
     preempted = metrics.num_preemptions_swap if preemption_mode == "swap" else metrics.num_preemptions_recompute
     assert preempted > 0 and metrics.num_preemptions == preempted
     assert engine.num_compilations <= engine.max_step_programs
-    # Rows and draft rows both pad to the floor of 8 (min_padded_seqs): (T, S, ..., R) with S, and R when any, >= 8.
+    # Rows and draft rows both pad to the floor of 16 (min_padded_seqs): (T, S, ..., R) with S 16, and R when any
+    # at least 16 (a draft row per drafted token: up to 4 a row).
     shapes = engine.runner.step_shapes
-    assert min(s[1] for s in shapes) == 8 and min(s[5] for s in shapes if s[5]) == 8
+    assert {s[1] for s in shapes} == {16} and min(s[5] for s in shapes if s[5]) == 16
 
 
 def test_a_draft_model_leaves_greedy_output_unchanged_through_preemption_by_swap(
@@ -413,6 +414,7 @@ def test_sampled_tokens_after_rejected_drafts_follow_the_models_distribution(tin
             page_size=8,
             max_num_seqs=128,
             max_num_batched_tokens=1024,  # room for the drafts beside 128 prompt tails
+            min_padded_seqs=128,  # every step of 128 rows: 6 programs to compile, not 14
             speculative_config=speculative,
         ),
     )
