@@ -117,6 +117,12 @@ class EngineConfig:
         "programs to compile, more padding in small steps (default: 8 on TPU, where 8 rows cost what 1 does; 1 "
         "elsewhere).",
     )
+    min_padded_tokens: int = option(
+        1,
+        "Steps of fewer tokens pad to this many (rounded up to a power of two, at most max_num_batched_tokens): "
+        "fewer programs to compile, more padding in small steps. At max_num_batched_tokens every step has one "
+        "token bucket.",
+    )
     max_model_len: int | None = option(None, "Longest prompt plus output (default: min(model context, 4096)).")
     kv_cache_dtype: str = option(
         "auto",
@@ -165,6 +171,7 @@ class EngineConfig:
             "max_num_seqs",
             "max_num_batched_tokens",
             "min_padded_seqs",
+            "min_padded_tokens",
             "max_model_len",
             "seed",
             "swap_space_bytes",
@@ -172,7 +179,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, (bool, int)) and hasattr(value, "__index__"):
                 object.__setattr__(self, name, operator.index(value))
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+        positive = ("page_size", "max_num_seqs", "max_num_batched_tokens", "min_padded_tokens", "kv_cache_memory_bytes")
+        for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -311,7 +311,6 @@ def run_step_programs(args, tpu: deviceless.Target) -> tuple[list[dict], dict]:
     """Compile the engine step (forward and sampling) on the target's mesh; a row per (T, S) bucket, and the setup."""
     from paxkv.entrypoints.config_flags import parse_memory_size
     from paxkv.execution import aot
-    from paxkv.execution.step_inputs import default_min_padded_seqs
     from paxkv.parallel.mesh import make_mesh, parse_mesh_shape
 
     config = model_config(args.model)
@@ -338,8 +337,8 @@ def run_step_programs(args, tpu: deviceless.Target) -> tuple[list[dict], dict]:
         kv_cache_dtype=args.kv_cache_dtype,
         attention_impl="pallas_tpu",
     )
-    min_padded_seqs = args.min_padded_seqs or default_min_padded_seqs(tpu.platform)
-    buckets = aot.step_buckets(args.max_num_batched_tokens, args.max_num_seqs, min_padded_seqs)
+    padding = aot.StepPadding.for_platform(tpu.platform, args.min_padded_seqs, args.min_padded_tokens)
+    buckets = aot.step_buckets(args.max_num_batched_tokens, args.max_num_seqs, padding)
     buckets = buckets[-1:] if args.buckets == "largest" else buckets
     rows = []
     for num_tokens, num_seqs in buckets:
@@ -447,6 +446,7 @@ def main() -> int:
     parser.add_argument("--max_num_batched_tokens", type=int, default=512)
     parser.add_argument("--max_num_seqs", type=int, default=32)
     parser.add_argument("--min_padded_seqs", type=int, help="the smallest S bucket (default: TPU's, 8)")
+    parser.add_argument("--min_padded_tokens", type=int, help="the smallest T bucket (default 1)")
     parser.add_argument("--max_model_len", type=int, default=4096)
     parser.add_argument("--buckets", choices=("all", "largest"), default="all")
     parser.add_argument("--logprobs", action="store_true", help="compile the logprobs variant of each step")

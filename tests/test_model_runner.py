@@ -10,7 +10,7 @@ from paxkv.execution.aot import step_buckets
 from paxkv.execution.kv_pool import KVPool
 from paxkv.execution.model_runner import ModelRunner
 from paxkv.execution.step import num_step_compilations
-from paxkv.execution.step_inputs import default_min_padded_seqs
+from paxkv.execution.step_inputs import StepPadding
 from paxkv.scheduling.preemption import PreemptionPolicy
 from paxkv.scheduling.request import Request
 from paxkv.scheduling.sampling_params import SamplingParams
@@ -105,7 +105,7 @@ def test_warm_up_compiles_every_plain_bucket_so_steps_compile_nothing(tiny_llama
     decodes compiles no program, and the pages the warm-up touched are only the null page."""
     loaded = models.load(tiny_llama_checkpoint(), require_tokenizer=False)
     runner, pool = _warm_runner(loaded)
-    assert runner.min_padded_seqs == default_min_padded_seqs("cpu") == 1
+    assert runner.padding == StepPadding.for_platform("cpu") == StepPadding(min_seqs=1, min_tokens=1)
     assert len(step_buckets(32, 4)) == len(runner.step_shapes)
     for layer in pool.kv_caches:
         assert float(jnp.max(jnp.abs(layer[1:]))) == 0.0  # only the null page was written
@@ -113,10 +113,20 @@ def test_warm_up_compiles_every_plain_bucket_so_steps_compile_nothing(tiny_llama
     assert all(len(tokens) == 4 for tokens in reference.values())
     # A row floor (TPU's default is 8; here 3, rounded up to 4 = max_num_seqs): every step pads to S = 4 rows,
     # three programs cover every step, and the tokens are the unpadded runner's.
-    assert default_min_padded_seqs("tpu") == 8
+    assert StepPadding.for_platform("tpu") == StepPadding(min_seqs=8, min_tokens=1)
     floored, _ = _warm_runner(loaded, min_padded_seqs=3)
-    assert step_buckets(32, 4, 3) == [(4, 4), (16, 4), (32, 4)] == sorted(s[:2] for s in floored.step_shapes)
+    assert step_buckets(32, 4, StepPadding(min_seqs=3)) == [(4, 4), (16, 4), (32, 4)]
+    assert sorted(s[:2] for s in floored.step_shapes) == [(4, 4), (16, 4), (32, 4)]
     assert _greedy_after_warm_up(floored) == reference
     assert {shape[1] for shape in floored.step_shapes} == {4}
     with pytest.raises(ValueError, match="min_padded_seqs must be a positive integer"):
         EngineConfig(min_padded_seqs=0)
+    # A token floor of the whole budget: one T bucket, one program per row bucket, and still the same tokens.
+    token_floored, _ = _warm_runner(loaded, min_padded_tokens=32)
+    assert step_buckets(32, 4, StepPadding(min_tokens=32)) == [(32, 1), (32, 2), (32, 4)]
+    assert sorted(s[:2] for s in token_floored.step_shapes) == [(32, 1), (32, 2), (32, 4)]
+    assert _greedy_after_warm_up(token_floored) == reference
+    # Both floors: decodes of 4 rows pad to 8 tokens, prefills to 16 or more.
+    assert step_buckets(32, 4, StepPadding(min_seqs=4, min_tokens=8)) == [(8, 4), (16, 4), (32, 4)]
+    with pytest.raises(ValueError, match="min_padded_tokens must be a positive integer"):
+        EngineConfig(min_padded_tokens=0)

@@ -24,7 +24,13 @@ from pallas_kernels import pages_for
 from paxkv.execution.kv_pool import abstract_pool, kv_bytes_per_page, kv_storage_dtype
 from paxkv.execution.step import StepBatch, forward_step, sample_step, static_graph
 from paxkv.execution.step_arguments import empty_step_batch
-from paxkv.execution.step_inputs import MIN_PREFILL_TOKENS, power_of_two_bucket, power_of_two_buckets
+from paxkv.execution.step_inputs import (
+    MIN_PREFILL_TOKENS,
+    NO_PADDING,
+    StepPadding,
+    power_of_two_bucket,
+    power_of_two_buckets,
+)
 from paxkv.parallel.mesh import num_scale_groups
 
 logger = logging.getLogger(__name__)
@@ -249,15 +255,18 @@ def _num_shards(sharding, shape) -> int:
     return math.prod(shape) // math.prod(sharding.shard_shape(shape)) if math.prod(shape) else 1
 
 
-def step_buckets(max_num_batched_tokens: int, max_num_seqs: int, min_padded_seqs: int = 1) -> list[tuple[int, int]]:
-    """The (T, S) bucket pairs a step can take: T a power of two up to the token budget, S from min_padded_seqs's
-    bucket up to the row budget and never above T (a row holds at least one token), and T below MIN_PREFILL_TOKENS
-    only for decodes (T = S)."""
+def step_buckets(
+    max_num_batched_tokens: int, max_num_seqs: int, padding: StepPadding = NO_PADDING
+) -> list[tuple[int, int]]:
+    """The (T, S) bucket pairs a step can take (as padded_batch_sizes pads): T a power of two up to the token budget
+    and at least the padding's tokens, S from the padding's rows up to the row budget and never above T (a row holds
+    at least one token), and T below MIN_PREFILL_TOKENS only for decodes (T = S, or the token floor above S)."""
     token_buckets = power_of_two_buckets(max_num_batched_tokens)
-    smallest = power_of_two_bucket(min(min_padded_seqs, max_num_batched_tokens), max_num_seqs)
+    smallest = power_of_two_bucket(padding.row_floor(max_num_batched_tokens), max_num_seqs)
     seq_buckets = [s for s in power_of_two_buckets(max_num_seqs) if s >= smallest]
-    floor = min(bucket(MIN_PREFILL_TOKENS), bucket(max_num_batched_tokens))
-    return [(t, s) for t in token_buckets for s in seq_buckets if s == t or s < t >= floor]
+    token_floor = bucket(padding.token_floor(max_num_batched_tokens))
+    prefill_floor = max(min(bucket(MIN_PREFILL_TOKENS), bucket(max_num_batched_tokens)), token_floor)
+    return [(t, s) for t in token_buckets for s in seq_buckets if t == max(s, token_floor) or s < t >= prefill_floor]
 
 
 def device_memory(mesh: Mesh | None) -> tuple[int, int] | None:

@@ -37,7 +37,7 @@ from pallas_kernels import AttentionMetadata
 from paxkv.config import SpeculativeConfig
 from paxkv.execution.sampler import SamplingArrays, sample
 from paxkv.execution.step import StaticGraph, per_replica, replicated, static_graph
-from paxkv.execution.step_inputs import StepInputs, shared_padded_sizes
+from paxkv.execution.step_inputs import NO_PADDING, StepInputs, StepPadding, shared_padded_sizes
 from paxkv.parallel.distributed import host_value
 from paxkv.scheduling.scheduled_batch import ReplicaBatch, ScheduledBatch, ScheduledSequence
 
@@ -144,7 +144,7 @@ class DraftModelProposer:
         pages_per_seq: int,
         max_num_batched_tokens: int,
         max_num_seqs: int,
-        min_padded_seqs: int = 1,
+        padding: StepPadding = NO_PADDING,
         mesh,
     ):
         """Args:
@@ -152,14 +152,14 @@ class DraftModelProposer:
         num_speculative_tokens: K, the most drafts a row asks for.
         page_size, pages_per_seq: the pool's page size and block-table width.
         max_num_batched_tokens, max_num_seqs: the step budgets (its largest buckets).
-        min_padded_seqs: the smallest S bucket, as the target's step.
+        padding: the smallest T and S buckets, as the target's step.
         mesh: the engine's mesh, or None for one device.
         """
         self.draft = draft
         self.num_drafts = num_speculative_tokens
         self.page_size, self.pages_per_seq = page_size, pages_per_seq
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
-        self.min_padded_seqs = min_padded_seqs
+        self.padding = padding
         self.mesh = mesh
         self._graph = static_graph(draft.graphdef)
 
@@ -181,7 +181,7 @@ class DraftModelProposer:
             )
             for replica in batch.replica_batches
         ]
-        padded_sizes = shared_padded_sizes(plain, self.max_num_batched_tokens, self.max_num_seqs, self.min_padded_seqs)
+        padded_sizes = shared_padded_sizes(plain, self.max_num_batched_tokens, self.max_num_seqs, self.padding)
         inputs = [
             StepInputs.from_batch(
                 replica,

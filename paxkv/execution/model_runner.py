@@ -17,7 +17,7 @@ from paxkv.execution.draft_proposer import DraftModelProposer
 from paxkv.execution.kv_pool import KVPool
 from paxkv.execution.step import SampledTokens, StepBatch, copy_pages, page_copy_arrays, run_step, static_graph
 from paxkv.execution.step_arguments import build_step_batch, empty_step_batch
-from paxkv.execution.step_inputs import default_min_padded_seqs
+from paxkv.execution.step_inputs import StepPadding
 from paxkv.execution.verification import emitted_candidates
 from paxkv.parallel.distributed import host_value
 from paxkv.scheduling.preemption import PreemptionPolicy
@@ -112,7 +112,7 @@ class ModelRunner:
         self.loaded, self.pool, self.preemption, self.config, self.mesh = loaded, pool, preemption, config, mesh
         self.pages_per_seq = pages_for(max_model_len, config.page_size)
         platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
-        self.min_padded_seqs = config.min_padded_seqs or default_min_padded_seqs(platform)
+        self.padding = StepPadding.for_platform(platform, config.min_padded_seqs, config.min_padded_tokens)
         self.draft = None
         if draft is not None:
             self.draft = DraftModelProposer(
@@ -122,7 +122,7 @@ class ModelRunner:
                 pages_per_seq=self.pages_per_seq,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_num_seqs=config.max_num_seqs,
-                min_padded_seqs=self.min_padded_seqs,
+                padding=self.padding,
                 mesh=mesh,
             )
         self._graph = static_graph(loaded.graphdef)
@@ -149,7 +149,7 @@ class ModelRunner:
             seed_of=seed_of,
             vocab_size=self.loaded.config.vocab_size,
             eos_token_ids=list(self.loaded.generation_config.eos_token_ids),
-            min_padded_seqs=self.min_padded_seqs,
+            padding=self.padding,
         )
 
     def run(self, batch: ScheduledBatch, seed_of: Callable[[str], int]) -> LiveRows:
@@ -192,7 +192,7 @@ class ModelRunner:
         is a small program of its own).
         """
         num_replicas = self.pool.num_replicas
-        buckets = step_buckets(self.config.max_num_batched_tokens, self.config.max_num_seqs, self.min_padded_seqs)
+        buckets = step_buckets(self.config.max_num_batched_tokens, self.config.max_num_seqs, self.padding)
         for num_tokens, num_rows in buckets:
             step_batch = empty_step_batch(
                 num_replicas,

@@ -8,7 +8,7 @@ import numpy as np
 from models.paged_forward import bucket
 from paxkv.execution.sampler import SamplingArrays
 from paxkv.execution.step import StepBatch
-from paxkv.execution.step_inputs import StepInputs, shared_padded_sizes
+from paxkv.execution.step_inputs import NO_PADDING, StepInputs, StepPadding, shared_padded_sizes
 from paxkv.execution.verification import DraftRows, num_draft_rows
 from paxkv.scheduling.scheduled_batch import ReplicaBatch, ScheduledBatch
 from paxkv.scheduling.stopping import holds_back_stops, stop_token_ids
@@ -23,7 +23,7 @@ def build_step_batch(
     seed_of: Callable[[str], int],
     vocab_size: int,
     eos_token_ids: list[int],
-    min_padded_seqs: int = 1,
+    padding: StepPadding = NO_PADDING,
 ) -> tuple[StepBatch, bool]:
     """The step's batch argument (numpy arrays, every leaf [D, ...]) and its logprobs flag, for a batch.
 
@@ -36,14 +36,14 @@ def build_step_batch(
       seed_of: request id -> the seed of that sample.
       vocab_size: the model's vocabulary size.
       eos_token_ids: tokens min_tokens holds back (unless a request ignores EOS).
-      min_padded_seqs: the smallest S bucket, and the smallest R bucket of draft rows.
+      padding: the smallest T and S buckets (S's also the smallest R bucket of draft rows).
     """
-    padded_sizes = shared_padded_sizes(batch.replica_batches, max_num_batched_tokens, max_num_seqs, min_padded_seqs)
+    padded_sizes = shared_padded_sizes(batch.replica_batches, max_num_batched_tokens, max_num_seqs, padding)
     needed = [vocab_arrays_needed(b) for b in batch.replica_batches]
     force = (any(n[0] for n in needed), any(n[1] for n in needed))
     most_drafts = max(num_draft_rows(b) for b in batch.replica_batches)
-    # R: a power of two of at least min_padded_seqs rows (as S), or no draft rows.
-    padded_drafts = bucket(max(most_drafts, min(min_padded_seqs, max_num_batched_tokens))) if most_drafts else 0
+    # R: a power of two of at least the padding's rows (as S), or no draft rows.
+    padded_drafts = bucket(max(most_drafts, padding.row_floor(max_num_batched_tokens))) if most_drafts else 0
 
     def replica_batch(replica: ReplicaBatch) -> StepBatch:
         inputs = StepInputs.from_batch(

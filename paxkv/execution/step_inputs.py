@@ -37,29 +37,49 @@ MIN_PREFILL_TOKENS = 16
 DEFAULT_MIN_PADDED_SEQS = {"tpu": 8}
 
 
-def default_min_padded_seqs(platform: str) -> int:
-    """The row bucket a step pads to at least on `platform` ("cpu", "gpu", "tpu") unless the config says."""
-    return DEFAULT_MIN_PADDED_SEQS.get(platform, 1)
+@dataclasses.dataclass(frozen=True)
+class StepPadding:
+    """The smallest buckets a step pads to: rows (S, and draft rows R) and tokens (T), each rounded up to a power
+    of two and never above the token budget. Higher floors mean fewer programs to compile and more padding."""
+
+    min_seqs: int = 1
+    min_tokens: int = 1
+
+    @classmethod
+    def for_platform(cls, platform: str, min_seqs: int | None = None, min_tokens: int | None = None) -> "StepPadding":
+        """The config's floors, or where not given, the platform's ("cpu", "gpu", "tpu")."""
+        return cls(min_seqs or DEFAULT_MIN_PADDED_SEQS.get(platform, 1), min_tokens or 1)
+
+    def row_floor(self, max_num_batched_tokens: int) -> int:
+        """The fewest rows (or draft rows) a step pads to: never more than the token budget."""
+        return min(self.min_seqs, max_num_batched_tokens)
+
+    def token_floor(self, max_num_batched_tokens: int) -> int:
+        """The fewest tokens a step pads to: never more than the token budget."""
+        return min(self.min_tokens, max_num_batched_tokens)
+
+
+NO_PADDING = StepPadding()  # every bucket from 1
 
 
 def padded_batch_sizes(
-    batch: ReplicaBatch, max_num_batched_tokens: int, max_num_seqs: int, min_padded_seqs: int = 1
+    batch: ReplicaBatch, max_num_batched_tokens: int, max_num_seqs: int, padding: StepPadding = NO_PADDING
 ) -> tuple[int, int]:
-    """(T, S): the token and row buckets a batch pads to; S at least min_padded_seqs, T at least S (a decode of
-    S rows is T = S)."""
+    """(T, S): the token and row buckets a batch pads to; S at least the padding's rows, T at least S (a decode of
+    S rows is T = S) and at least the padding's tokens."""
     num_tokens = batch.num_batched_tokens
     if any(s.num_new_tokens - s.num_draft_tokens > 1 for s in batch.sequences):  # drafts alone are no prefill
         num_tokens = max(num_tokens, MIN_PREFILL_TOKENS)
-    floor = min(min_padded_seqs, max_num_batched_tokens)  # never more rows than the token budget's bucket
-    num_seqs = power_of_two_bucket(max(batch.num_seqs, floor), max_num_seqs)
-    return power_of_two_bucket(max(num_tokens, num_seqs), max_num_batched_tokens), num_seqs
+    num_seqs = power_of_two_bucket(max(batch.num_seqs, padding.row_floor(max_num_batched_tokens)), max_num_seqs)
+    num_tokens = max(num_tokens, num_seqs, padding.token_floor(max_num_batched_tokens))
+    return power_of_two_bucket(num_tokens, max_num_batched_tokens), num_seqs
 
 
 def shared_padded_sizes(
-    batches: list[ReplicaBatch], max_num_batched_tokens: int, max_num_seqs: int, min_padded_seqs: int = 1
+    batches: list[ReplicaBatch], max_num_batched_tokens: int, max_num_seqs: int, padding: StepPadding = NO_PADDING
 ) -> tuple[int, int]:
     """(T, S) that every replica's batch pads to: the largest of their own buckets (data replicas share one shape)."""
-    sizes = [padded_batch_sizes(b, max_num_batched_tokens, max_num_seqs, min_padded_seqs) for b in batches]
+    sizes = [padded_batch_sizes(b, max_num_batched_tokens, max_num_seqs, padding) for b in batches]
     return max(size[0] for size in sizes), max(size[1] for size in sizes)
 
 
@@ -82,7 +102,7 @@ class StepInputs:
         max_num_seqs: int,
         pages_per_seq: int,
         padded_sizes: tuple[int, int] | None = None,
-        min_padded_seqs: int = 1,
+        padding: StepPadding = NO_PADDING,
     ) -> "StepInputs":
         """Lay out a batch: rows in batch order, tokens contiguous per row, everything padded to buckets.
 
@@ -92,11 +112,11 @@ class StepInputs:
           max_num_seqs: the sequence budget (largest S bucket).
           pages_per_seq: block-table width, ceil(max_model_len / page_size).
           padded_sizes: (T, S) to pad to instead of the batch's own buckets (data replicas share one shape).
-          min_padded_seqs: the smallest S bucket, where padded_sizes is not given.
+          padding: the smallest buckets, where padded_sizes is not given.
         """
         num_tokens = batch.num_batched_tokens
         padded_tokens, padded_seqs = padded_sizes or padded_batch_sizes(
-            batch, max_num_batched_tokens, max_num_seqs, min_padded_seqs
+            batch, max_num_batched_tokens, max_num_seqs, padding
         )
         tokens = np.zeros(padded_tokens, np.int32)
         positions = np.zeros(padded_tokens, np.int32)
