@@ -195,14 +195,16 @@ def _generate(loaded, speculative, params=_greedy, num_prompts: int = 32, **conf
     Args:
       params: prompt index -> its SamplingParams.
     """
-    # 64 pages are too few for 16 requests at their longest: some are preempted. Steps pad to 16 rows (and draft rows),
-    # for fewer programs to compile (steps of fewer rows: test_engine; floors below the row count: the tests below).
+    # 64 pages are too few for 16 requests at their longest: some are preempted. Steps pad to 16 rows (and draft rows)
+    # and 128 tokens, for fewer programs to compile (smaller steps: test_engine; row floors below the row count: the
+    # tests below).
     defaults = {
         "num_pages": 64,
         "page_size": 8,
         "max_num_seqs": 16,
         "max_num_batched_tokens": 128,
         "min_padded_seqs": 16,
+        "min_padded_tokens": 128,
     }
     engine = Engine(loaded, EngineConfig(**{**defaults, **config}, speculative_config=speculative))
     for index, prompt in enumerate(_prompts()[:num_prompts]):
@@ -414,7 +416,8 @@ def test_sampled_tokens_after_rejected_drafts_follow_the_models_distribution(tin
             page_size=8,
             max_num_seqs=128,
             max_num_batched_tokens=1024,  # room for the drafts beside 128 prompt tails
-            min_padded_seqs=128,  # every step of 128 rows: 6 programs to compile, not 14
+            min_padded_seqs=128,  # every step of 128 rows and 1024 tokens: 2 programs to compile, not 14
+            min_padded_tokens=1024,
             speculative_config=speculative,
         ),
     )
