@@ -41,11 +41,15 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
     return [rng.integers(1, 256, int(n)).tolist() for n in rng.integers(3, 40, count)]
 
 
+# Every step pads to its budgets: 4 rows and 32 tokens (smaller steps: test_engine).
+FULL_STEPS = dict(
+    page_size=8, num_pages=64, max_num_seqs=4, max_num_batched_tokens=32, min_padded_seqs=4, min_padded_tokens=32
+)
+
+
 def _run(loaded, prompts, *, params=None, **config) -> tuple[Engine, dict[str, list[list[int]]]]:
     """Every request to the end; request id -> the token ids of each of its samples."""
-    # Few step shapes: every step pads to the 4 rows (TPU's row floor of 8, capped; fewer rows: test_engine).
-    defaults = dict(page_size=8, num_pages=64, max_num_seqs=4, max_num_batched_tokens=32, min_padded_seqs=8)
-    engine = Engine(loaded, EngineConfig(**{**defaults, **config}))
+    engine = Engine(loaded, EngineConfig(**{**FULL_STEPS, **config}))
     for index, prompt in enumerate(prompts):
         sampling = (params or {}).get(index, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
         engine.add_request(str(index), prompt, sampling)
@@ -83,9 +87,7 @@ def test_both_replicas_work_within_their_own_partitions(four_kv_heads):
     """Routing spreads requests; block tables hold local pages, and each replica's pages stay on its devices."""
     prompts = _prompts(6, seed=3)
     loaded = _on_mesh(four_kv_heads, "data=2,model=1")
-    engine = Engine(
-        loaded, EngineConfig(page_size=8, num_pages=64, max_num_seqs=4, max_num_batched_tokens=32, min_padded_seqs=8)
-    )
+    engine = Engine(loaded, EngineConfig(**FULL_STEPS))
     for index, prompt in enumerate(prompts):
         engine.add_request(str(index), prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     batch = engine.scheduler.schedule()
@@ -117,9 +119,7 @@ def test_prefix_caching_routes_shared_prompts_to_the_replica_that_holds_them(fou
     prompts.insert(0, rng.integers(1, 256, 30).tolist())  # an unrelated first request takes replica 0
     _, expected = _run(models.load(four_kv_heads, require_tokenizer=False), prompts)
     loaded = _on_mesh(four_kv_heads, "data=2,model=1")
-    engine = Engine(
-        loaded, EngineConfig(page_size=8, num_pages=64, max_num_seqs=4, max_num_batched_tokens=32, min_padded_seqs=8)
-    )
+    engine = Engine(loaded, EngineConfig(**FULL_STEPS))
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     engine.add_request("0", prompts[0], greedy)
     engine.add_request("1", prompts[1], greedy)

@@ -88,9 +88,9 @@ def _run(engine, prompts, params=GREEDY, aborts=None):
 
 
 def _engine(loaded, **config):
-    # min_padded_seqs: TPU's row floor, for fewer programs to compile (steps of fewer rows: test_engine).
+    # Steps pad to 8 rows and 64 tokens, for fewer programs to compile (smaller steps: test_engine).
     defaults = dict(page_size=PAGE, num_pages=400, max_num_seqs=8, max_num_batched_tokens=64, watermark=0.0)
-    return Engine(loaded, EngineConfig(**{**defaults, "min_padded_seqs": 8, **config}))
+    return Engine(loaded, EngineConfig(**{**defaults, "min_padded_seqs": 8, "min_padded_tokens": 64, **config}))
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -203,7 +203,14 @@ def test_8_bit_pool_runs_on_the_xla_and_interpreted_paths(engine_llama_checkpoin
     def run(attention_impl, kv_dtype):
         engine = Engine(
             models.load(path, require_tokenizer=False, attention_impl=attention_impl),
-            EngineConfig(page_size=PAGE, num_pages=40, max_num_seqs=4, min_padded_seqs=8, kv_cache_dtype=kv_dtype),
+            EngineConfig(
+                page_size=PAGE,
+                num_pages=40,
+                max_num_seqs=4,
+                min_padded_seqs=8,
+                min_padded_tokens=64,
+                kv_cache_dtype=kv_dtype,
+            ),
         )
         for request_id, prompt in prompts.items():
             engine.add_request(request_id, prompt, params)

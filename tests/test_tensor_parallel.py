@@ -41,8 +41,9 @@ def _prompts(vocab_size: int) -> list[list[int]]:
 
 
 def _greedy(loaded, prompts, **config) -> tuple[Engine, list[list[int]]]:
-    # min_padded_seqs: TPU's row floor, for fewer programs to compile (steps of fewer rows: test_engine).
-    engine = Engine(loaded, EngineConfig(page_size=8, num_pages=64, max_num_seqs=4, min_padded_seqs=8, **config))
+    # Steps pad to 8 rows and 64 tokens (the prompts' sum), for fewer programs to compile (smaller steps: test_engine).
+    config = dict(page_size=8, num_pages=64, max_num_seqs=4, min_padded_seqs=8, min_padded_tokens=64, **config)
+    engine = Engine(loaded, EngineConfig(**config))
     for index, prompt in enumerate(prompts):
         engine.add_request(str(index), prompt, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
     outputs = drain(engine)
@@ -123,7 +124,13 @@ def test_swap_preemption_and_forks_on_the_mesh(eight_kv_heads):
 
     def run(loaded):
         config = EngineConfig(
-            page_size=8, num_pages=20, max_num_seqs=6, min_padded_seqs=8, preemption_mode="swap", kv_cache_dtype="int8"
+            page_size=8,
+            num_pages=20,
+            max_num_seqs=6,
+            min_padded_seqs=8,
+            min_padded_tokens=64,
+            preemption_mode="swap",
+            kv_cache_dtype="int8",
         )
         engine = Engine(loaded, config)
         for index, prompt in enumerate(prompts):
