@@ -20,8 +20,10 @@ def tiny_path(engine_llama_checkpoint):
 def _greedy(path, attention_impl: str) -> dict[str, list[int]]:
     """8 requests of 1 to 70 tokens, arriving two per step, through chunked prefill mixed with decodes."""
     loaded = models.load(path, require_tokenizer=False, attention_impl=attention_impl)
-    config = EngineConfig(num_pages=80, page_size=8, max_num_seqs=8, max_num_batched_tokens=32, min_padded_seqs=8)
-    engine = Engine(loaded, config)  # min_padded_seqs: TPU's row floor, as the kernels' platforms pad
+    config = EngineConfig(
+        num_pages=80, page_size=8, max_num_seqs=8, max_num_batched_tokens=32, min_padded_seqs=8, min_padded_tokens=32
+    )
+    engine = Engine(loaded, config)  # every step 8 rows (TPU's row floor) and 32 tokens: few programs
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 256, n).tolist() for n in (1, 70, 9, 16, 17, 33, 5, 40)]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
