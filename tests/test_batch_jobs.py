@@ -24,7 +24,8 @@ RUN_FLAGS = (
     "--num_pages=64",
     "--page_size=8",
     "--max_num_seqs=2",
-    "--min_padded_seqs=8",  # every step pads to the 2 rows: fewer programs to compile
+    "--min_padded_seqs=8",  # every step pads to the 2 rows and 16 tokens: fewer programs to compile
+    "--min_padded_tokens=16",
     "--noprogress",
 )
 

@@ -46,7 +46,8 @@ def _run_flags(model_dir, prompts) -> list[str]:
         "--num_pages=64",
         "--page_size=8",
         "--max_num_seqs=4",
-        "--min_padded_seqs=8",  # every step pads to the 4 rows: fewer programs to compile
+        "--min_padded_seqs=8",  # every step pads to the 4 rows and 32 tokens: fewer programs to compile
+        "--min_padded_tokens=32",
     ]
 
 

@@ -24,9 +24,16 @@ from paxkv import LLM, SamplingParams
 from paxkv.serving.api_server import ServerConfig, build_app
 from paxkv.serving.engine_loop import EngineDeadError, EngineLoop
 
-# min_padded_seqs: TPU's row floor, for fewer programs to compile (steps of fewer rows: test_engine).
+# Steps pad to 8 rows (TPU's row floor) and the 128-token budget, for fewer programs to compile (smaller steps:
+# test_engine).
 ENGINE = dict(
-    num_pages=192, page_size=8, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=128, min_padded_seqs=8
+    num_pages=192,
+    page_size=8,
+    max_model_len=256,
+    max_num_seqs=16,
+    max_num_batched_tokens=128,
+    min_padded_seqs=8,
+    min_padded_tokens=128,
 )
 MODEL = "tiny-chat"
 KEYS = ("key-a", "key-b")
@@ -367,7 +374,7 @@ def test_paxkv_serve_runs_and_stops_on_sigterm(chat_llama):
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "paxkv.entrypoints.run", "serve", f"--model={chat_llama}", f"--port={port}"]
     command += ["--max_model_len=128", "--num_pages=64", "--page_size=8", "--max_num_batched_tokens=32"]
-    command += ["--max_num_seqs=4", "--min_padded_seqs=8"]
+    command += ["--max_num_seqs=4", "--min_padded_seqs=8", "--min_padded_tokens=32"]
     process = subprocess.Popen(command, env=subprocess_env(), stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -386,7 +393,7 @@ def test_paxkv_serve_runs_and_stops_on_sigterm(chat_llama):
         assert process.wait(60) == -signal.SIGTERM
         stderr = process.stderr.read()
         assert f"http://127.0.0.1:{port}/v1" in stderr and "Finished server process" in stderr, stderr
-        assert "# warm-up: 3 step buckets" in stderr  # (4, 4), (16, 4), (32, 4): every step pads to the 4 rows
+        assert "# warm-up: 1 step bucket compiled" in stderr  # (32, 4): every step pads to the 4 rows and 32 tokens
     finally:
         process.kill()
 

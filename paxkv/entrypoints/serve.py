@@ -86,7 +86,8 @@ def serve(usage_error) -> None:
         usage_error("--salt_by_api_key needs API keys (--api_key or $PAXKV_API_KEY)")
     if FLAGS.warmup:
         num_programs, seconds = engine.warm_up()
-        print(f"# warm-up: {num_programs} step buckets compiled or loaded in {seconds:.1f} s", file=sys.stderr)
+        buckets = f"{num_programs} step bucket" + ("" if num_programs == 1 else "s")
+        print(f"# warm-up: {buckets} compiled or loaded in {seconds:.1f} s", file=sys.stderr)
     loop = EngineLoop(engine).start()
     app = build_app(loop, loaded.tokenizer, config)
 
