@@ -33,6 +33,8 @@ flags.DEFINE_integer("num_speculative_tokens", 4, "Most drafts per request and s
 flags.DEFINE_integer("repeats", 2, "Timed runs per configuration.")
 flags.DEFINE_integer("warmups", 2, "Untimed runs per configuration first, which compile the shapes the runs take.")
 flags.DEFINE_integer("passage_chars", 4000, "Characters per passage of the copy workload (about 1k tokens).")
+flags.DEFINE_integer("min_padded_seqs", None, "The row floor (EngineConfig.min_padded_seqs; default: the engine's).")
+flags.DEFINE_integer("min_padded_tokens", 1, "The token floor (EngineConfig.min_padded_tokens).")
 flags.DEFINE_string("out", "bench_results/speculative", "Output path prefix for .json, .md and .png.")
 flags.DEFINE_string(
     "draft_model",
@@ -146,7 +148,14 @@ def main(argv):
     for name, speculative in configs.items():
         if speculative is not None:
             speculative = {**speculative, "num_speculative_tokens": FLAGS.num_speculative_tokens}
-        engines[name] = LLM(FLAGS.model, dtype=FLAGS.dtype, max_num_seqs=max(batches), speculative_config=speculative)
+        engines[name] = LLM(
+            FLAGS.model,
+            dtype=FLAGS.dtype,
+            max_num_seqs=max(batches),
+            min_padded_seqs=FLAGS.min_padded_seqs,
+            min_padded_tokens=FLAGS.min_padded_tokens,
+            speculative_config=speculative,
+        )
     tokenizer = engines["plain"].loaded.tokenizer
     rows = []
     cases = [
