@@ -12,7 +12,7 @@ from pallas_kernels import AttentionMetadata
 class DecoderLayer(nnx.Module):
     """Pre-norm attention block followed by a pre-norm gated MLP block."""
 
-    def __init__(self, config: ModelConfig, *, param_dtype, attention_impl: str, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, param_dtype, attention_impl: str, rngs: nnx.Rngs | None):
         norm = dict(eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.input_norm = RMSNorm(config.hidden_size, **norm)
         self.attention = PagedAttention(config, param_dtype=param_dtype, attention_impl=attention_impl, rngs=rngs)
@@ -43,7 +43,7 @@ class Llama(nnx.Module):
         param_dtype=jnp.float32,
         compute_dtype=jnp.float32,
         attention_impl: str = "xla",
-        rngs: nnx.Rngs,
+        rngs: nnx.Rngs | None,
     ):
         """Build the model with random weights (use models.load for real ones).
 
@@ -52,7 +52,7 @@ class Llama(nnx.Module):
           param_dtype: storage dtype of the weights.
           compute_dtype: dtype of activations (f32 on CPU, bf16 on TPU/GPU).
           attention_impl: a resolved pallas_kernels implementation name.
-          rngs: random streams for initialization.
+          rngs: random streams for initialization; None for zeros (shapes only, under nnx.eval_shape).
         """
         self.config = config
         self.compute_dtype = compute_dtype

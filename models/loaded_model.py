@@ -63,7 +63,7 @@ class LoadedModel:
 
 def abstract_model(config: ModelConfig, model_kwargs: dict) -> tuple[nnx.GraphDef, nnx.State]:
     """The model's graph and its state as ShapeDtypeStructs, without allocating weights."""
-    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), **model_kwargs))
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=None, **model_kwargs))
     return nnx.split(abstract)
 
 
