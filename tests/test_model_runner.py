@@ -6,6 +6,8 @@ import pytest
 
 import models
 from paxkv.config import EngineConfig
+from paxkv.core.engine import Engine
+from paxkv.entrypoints.batch_runner import drain
 from paxkv.execution.aot import step_buckets
 from paxkv.execution.kv_pool import KVPool
 from paxkv.execution.model_runner import ModelRunner
@@ -130,3 +132,17 @@ def test_warm_up_compiles_every_plain_bucket_so_steps_compile_nothing(tiny_llama
     assert step_buckets(32, 4, StepPadding(min_seqs=4, min_tokens=8)) == [(8, 4), (16, 4), (32, 4)]
     with pytest.raises(ValueError, match="min_padded_tokens must be a positive integer"):
         EngineConfig(min_padded_tokens=0)
+
+
+def test_a_token_floor_leaves_the_steps_above_it_untrimmed(engine_llama_checkpoint):
+    """The scheduler fits a step to the size below it only where the runner pads to that size: 300 prompt tokens run
+    as 256 + 44 without a token floor, and in one step with a floor of 512 (they pad to 512 either way)."""
+    loaded = models.load(engine_llama_checkpoint, require_tokenizer=False)
+    for floor, steps in ((1, 3), (512, 2)):
+        config = EngineConfig(num_pages=64, max_num_seqs=4, max_num_batched_tokens=512, min_padded_tokens=floor)
+        engine = Engine(loaded, config)
+        prompt = [1 + i % 250 for i in range(300)]
+        engine.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        drain(engine)
+        assert engine.metrics.num_steps == steps, floor  # the prompt in 2 steps or in 1, then one decode
+    assert engine.runner.padding.token_buckets(512) == [512] and StepPadding().token_buckets(4) == [1, 2, 4]

@@ -18,7 +18,7 @@ from paxkv.execution.draft_proposer import load_draft_model, num_draft_compilati
 from paxkv.execution.kv_pool import KVPool
 from paxkv.execution.model_runner import ModelRunner
 from paxkv.execution.step import num_step_compilations
-from paxkv.execution.step_inputs import num_buckets, power_of_two_buckets
+from paxkv.execution.step_inputs import num_buckets
 from paxkv.parallel.mesh import engine_mesh
 from paxkv.scheduling.preemption import PreemptionPolicy
 from paxkv.scheduling.request import Request
@@ -48,6 +48,9 @@ class Engine:
         self.pool = pool = KVPool(loaded.config, config, loaded.model.compute_dtype, self.mesh, draft and draft.config)
         self.preemption = PreemptionPolicy(pool.preemption_mode, pool.bytes_per_page, pool.num_host_slots)
         self.drafter = Drafter(speculative, num_processes=jax.process_count()) if speculative is not None else None
+        self.runner = ModelRunner(
+            loaded, pool, self.preemption, config, max_model_len=self.max_model_len, mesh=self.mesh, draft=draft
+        )
         self.scheduler = Scheduler(
             num_replicas=pool.num_replicas,
             pages_per_replica=pool.pages_per_replica,
@@ -61,10 +64,7 @@ class Engine:
             preemption=self.preemption,
             watermark_pages=int(config.watermark * (pool.pages_per_replica - 1)),
             drafter=self.drafter,
-            step_sizes=power_of_two_buckets(config.max_num_batched_tokens),
-        )
-        self.runner = ModelRunner(
-            loaded, pool, self.preemption, config, max_model_len=self.max_model_len, mesh=self.mesh, draft=draft
+            step_sizes=self.runner.padding.token_buckets(config.max_num_batched_tokens),  # the sizes steps pad to
         )
         self.outputs = OutputProcessor(loaded.tokenizer, loaded.generation_config.eos_token_ids, config.seed)
         self.metrics = EngineMetrics(num_total_pages=self.scheduler.num_total_pages, page_size=config.page_size)

@@ -261,10 +261,10 @@ def step_buckets(
     """The (T, S) bucket pairs a step can take (as padded_batch_sizes pads): T a power of two up to the token budget
     and at least the padding's tokens, S from the padding's rows up to the row budget and never above T (a row holds
     at least one token), and T below MIN_PREFILL_TOKENS only for decodes (T = S, or the token floor above S)."""
-    token_buckets = power_of_two_buckets(max_num_batched_tokens)
+    token_buckets = padding.token_buckets(max_num_batched_tokens)
     smallest = power_of_two_bucket(padding.row_floor(max_num_batched_tokens), max_num_seqs)
     seq_buckets = [s for s in power_of_two_buckets(max_num_seqs) if s >= smallest]
-    token_floor = bucket(padding.token_floor(max_num_batched_tokens))
+    token_floor = token_buckets[0]
     prefill_floor = max(min(bucket(MIN_PREFILL_TOKENS), bucket(max_num_batched_tokens)), token_floor)
     return [(t, s) for t in token_buckets for s in seq_buckets if t == max(s, token_floor) or s < t >= prefill_floor]
 

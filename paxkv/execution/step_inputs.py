@@ -58,6 +58,11 @@ class StepPadding:
         """The fewest tokens a step pads to: never more than the token budget."""
         return min(self.min_tokens, max_num_batched_tokens)
 
+    def token_buckets(self, max_num_batched_tokens: int) -> list[int]:
+        """The T buckets a step can take, ascending: powers of two from the token floor's up to the budget's."""
+        smallest = bucket(self.token_floor(max_num_batched_tokens))
+        return [t for t in power_of_two_buckets(max_num_batched_tokens) if t >= smallest]
+
 
 NO_PADDING = StepPadding()  # every bucket from 1
 
