@@ -1,12 +1,19 @@
 // Paged attention of short query runs on CPU, as an XLA FFI custom call (pallas_kernels/cpu_paged_attention.py).
 //
-// Consecutive tokens of one sequence row (a decode token, a token and its speculative drafts, a short chunk) form a
-// run of at most kMaxRunTokens. Each (run, KV head) pair walks the row's pages in place, one page at a time, and
-// for every token of the run: scores of the G query heads that share the KV head against the page's keys it can
-// see, an online-softmax rescale, then the values. Nothing is gathered into a fresh block first, which is what
-// bounds XLA:CPU's version (its gather copies about 4 GB/s); each page comes from memory once per run, and the
-// run's other tokens find it in cache. Each token's arithmetic is the same whatever run it is in. Work items are
-// split over XLA's intra-op thread pool.
+// Consecutive tokens of one sequence row (a decode token, a token and its speculative drafts, a prefill chunk) form
+// a run. Each (run, KV head) pair walks the row's pages in place, one page at a time: scores of the run's query
+// heads that share the KV head against the page's keys they can see, an online-softmax rescale, then the values.
+// Nothing is gathered into a fresh block first, which is what bounds XLA:CPU's version (its gather copies about
+// 4 GB/s); each page comes from memory once per run. Work items are split over XLA's intra-op thread pool.
+//
+// Two ways to do one run's arithmetic:
+// - short runs (fewer than kMinTiledRunTokens tokens: decodes, a token and its drafts) take one dot product per
+//   (query head, key), vectorized over head_dim (AttendRun);
+// - longer runs (prefill chunks) are tiled like a matrix product (AttendRunTiled): the run's query rows sit
+//   across SIMD lanes, transposed once per run, so every score block, softmax statistic and output update is a
+//   vertical vector operation with a key or value element broadcast, and a register tile of 8 keys (or 8 output
+//   dims) by 48 rows is reused across head_dim (or the page's slots).
+// Within one path each token's arithmetic is the same whatever run it is in.
 //
 // Layout (pallas_kernels/kv_pages.py): kv_pages[num_pages, page_size, 2 * K * D], the key of head h in slot 2h
 // and its value in slot 2h + 1 of each token row. Semantics are the XLA reference's per-token read
@@ -142,15 +149,222 @@ void AttendRun(const Shapes& s, const float* q, const T* pages, const int32_t* b
   }
 }
 
-// The runs of a batch: maximal stretches of consecutive tokens with one row, cut every kMaxRunTokens tokens.
+// ---- The tiled path for long runs ----
+
+// Sixteen f32 lanes (one AVX-512 register; GCC splits it into narrower registers on narrower machines).
+typedef float Vec __attribute__((vector_size(64)));
+typedef int32_t IntVec __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+// Runs of at least this many tokens take the tiled path; runs are cut every kMaxTiledRunTokens tokens there.
+constexpr int64_t kMinTiledRunTokens = 8;
+constexpr int64_t kMaxTiledRunTokens = 64;
+// The register tile: kTileSlots keys (or output dims) by kTileVecs vectors of query rows, 24 accumulators.
+constexpr int64_t kTileSlots = 8;
+constexpr int64_t kTileVecs = 3;
+
+inline Vec Splat(float x) { return Vec{} + x; }
+inline Vec Max(Vec a, Vec b) { return a > b ? a : b; }
+inline Vec LoadVec(const float* p) {
+  Vec v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void StoreVec(float* p, Vec v) { __builtin_memcpy(p, &v, sizeof(v)); }
+inline IntVec LoadIntVec(const int32_t* p) {
+  IntVec v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// e^x for x <= 0, lane by lane: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial (its Taylor
+// coefficients), 2^n put into the exponent bits. Below -87 (where e^x leaves f32's normal range) it gives
+// e^-87, which beside the row's maximum weight of 1 is nothing; masked weights are zeroed by the caller.
+inline Vec Exp(Vec x) {
+  x = x < Splat(-87.0f) ? Splat(-87.0f) : x;
+  const Vec scaled = x * 1.44269504088896341f;  // x / ln2
+  const IntVec n = __builtin_convertvector(scaled + (scaled < Splat(0.0f) ? Splat(-0.5f) : Splat(0.5f)), IntVec);
+  const Vec nf = __builtin_convertvector(n, Vec);
+  const Vec r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-6f;  // ln2 in two parts
+  Vec p = Splat(1.0f / 5040.0f);
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const IntVec bits = (n + 127) << 23;
+  Vec two_to_n;
+  __builtin_memcpy(&two_to_n, &bits, sizeof(two_to_n));
+  return p * two_to_n;
+}
+
+// One work item's buffers, kept per thread: rows across lanes, `width` lanes per row of each.
+struct TiledScratch {
+  std::vector<float> q_t, out_t, weights, running_max, running_sum, rescale;
+  std::vector<int32_t> starts, ends;
+};
+
+// Scores of the run's rows against the page's slots [lo, hi), into weights[slot][lane].
+template <typename T>
+void ScoreSlots(const float* q_t, const T* keys, int64_t row_width, int64_t D, int64_t width, int64_t lo, int64_t hi,
+                float* weights) {
+  for (int64_t v0 = 0; v0 < width; v0 += kTileVecs * kLanes) {
+    for (int64_t s0 = lo; s0 < hi; s0 += kTileSlots) {
+      const T* key_rows[kTileSlots];
+      for (int64_t j = 0; j < kTileSlots; ++j) key_rows[j] = keys + std::min(s0 + j, hi - 1) * row_width;
+      Vec acc[kTileSlots][kTileVecs] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        Vec q_vecs[kTileVecs];
+#pragma GCC unroll 3
+        for (int64_t c = 0; c < kTileVecs; ++c) q_vecs[c] = LoadVec(q_t + d * width + v0 + c * kLanes);
+#pragma GCC unroll 8
+        for (int64_t j = 0; j < kTileSlots; ++j) {
+          const Vec key = Splat(LoadValue(key_rows[j] + d));
+#pragma GCC unroll 3
+          for (int64_t c = 0; c < kTileVecs; ++c) acc[j][c] += key * q_vecs[c];
+        }
+      }
+      for (int64_t j = 0; j < kTileSlots && s0 + j < hi; ++j) {
+        for (int64_t c = 0; c < kTileVecs; ++c) StoreVec(weights + (s0 + j) * width + v0 + c * kLanes, acc[j][c]);
+      }
+    }
+  }
+}
+
+// out_t[d][lane] += sum over slots [lo, hi) of weights[slot][lane] * value[slot][d].
+template <typename T>
+void AccumulateValues(const float* weights, const T* values, int64_t row_width, int64_t D, int64_t width, int64_t lo,
+                      int64_t hi, float* out_t) {
+  for (int64_t d0 = 0; d0 < D; d0 += kTileSlots) {
+    for (int64_t v0 = 0; v0 < width; v0 += kTileVecs * kLanes) {
+      Vec acc[kTileSlots][kTileVecs];
+      for (int64_t j = 0; j < kTileSlots; ++j) {
+        for (int64_t c = 0; c < kTileVecs; ++c) acc[j][c] = LoadVec(out_t + (d0 + j) * width + v0 + c * kLanes);
+      }
+      for (int64_t slot = lo; slot < hi; ++slot) {
+        Vec w[kTileVecs];
+#pragma GCC unroll 3
+        for (int64_t c = 0; c < kTileVecs; ++c) w[c] = LoadVec(weights + slot * width + v0 + c * kLanes);
+        const T* value = values + slot * row_width + d0;
+#pragma GCC unroll 8
+        for (int64_t j = 0; j < kTileSlots; ++j) {
+          const Vec element = Splat(LoadValue(value + j));
+#pragma GCC unroll 3
+          for (int64_t c = 0; c < kTileVecs; ++c) acc[j][c] += element * w[c];
+        }
+      }
+      for (int64_t j = 0; j < kTileSlots; ++j) {
+        for (int64_t c = 0; c < kTileVecs; ++c) StoreVec(out_t + (d0 + j) * width + v0 + c * kLanes, acc[j][c]);
+      }
+    }
+  }
+}
+
+// AttendRun's contract for a run of kMinTiledRunTokens to kMaxTiledRunTokens tokens, without a soft cap, and
+// head_dim a multiple of kTileSlots. Row r = i * G + g of the run is lane r of every [.][width] buffer.
+template <typename T>
+void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32_t* block_tables, int64_t first_token,
+                    int64_t count, int64_t kv_head, int32_t row, const int32_t* positions, const int32_t* kv_lens,
+                    int64_t sliding_window, float* out) {
+  const int64_t G = s.group, D = s.head_dim, P = s.page_size, num_rows = count * G;
+  const int64_t tile_rows = kTileVecs * kLanes, width = (num_rows + tile_rows - 1) / tile_rows * tile_rows;
+  thread_local TiledScratch scratch;
+  scratch.q_t.assign(D * width, 0.0f);
+  scratch.out_t.assign(D * width, 0.0f);
+  scratch.weights.resize(P * width);
+  scratch.running_max.assign(width, kMaskValue);
+  scratch.running_sum.assign(width, 0.0f);
+  scratch.rescale.resize(width);
+  scratch.starts.assign(width, 0);  // lanes past the run's rows, and empty tokens, see nothing
+  scratch.ends.assign(width, 0);
+  int64_t run_start = std::numeric_limits<int64_t>::max(), run_end = 0;
+  int64_t latest_start = 0, earliest_end = std::numeric_limits<int64_t>::max();  // over tokens that see anything
+  for (int64_t i = 0; i < count; ++i) {
+    const TokenRange range = VisibleRange(positions[first_token + i], kv_lens[first_token + i], sliding_window);
+    if (range.end > range.start) {
+      run_start = std::min(run_start, range.start);
+      run_end = std::max(run_end, range.end);
+      latest_start = std::max(latest_start, range.start);
+      earliest_end = std::min(earliest_end, range.end);
+    }
+    const float* q_heads = q + ((first_token + i) * s.num_q_heads + kv_head * G) * D;  // [G, D]
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t lane = i * G + g;
+      scratch.starts[lane] = static_cast<int32_t>(range.start);
+      scratch.ends[lane] = static_cast<int32_t>(range.end);
+      for (int64_t d = 0; d < D; ++d) scratch.q_t[d * width + lane] = q_heads[g * D + d];
+    }
+  }
+  const int32_t* table = block_tables + std::clamp<int64_t>(row, 0, s.num_rows - 1) * s.pages_per_seq;
+  float* weights = scratch.weights.data();
+  for (int64_t first = run_start - run_start % P; first < run_end; first += P) {
+    const int64_t page_id = std::clamp<int64_t>(table[std::min(first / P, s.pages_per_seq - 1)], 0, s.num_pages - 1);
+    const T* page = pages + page_id * P * s.row_width;
+    // Slots some token of the run sees: all lie inside the sequence, so they hold written, finite K and V.
+    const int64_t lo = std::max(first, run_start) - first, hi = std::min(first + P, run_end) - first;
+    // Lanes of tokens that see nothing, and padding lanes, compute on these finite values and are dropped at the end.
+    const bool masked = latest_start > first + lo || earliest_end < first + hi;
+    ScoreSlots(scratch.q_t.data(), page + 2 * kv_head * D, s.row_width, D, width, lo, hi, weights);
+    for (int64_t v = 0; v < width; v += kLanes) {
+      const IntVec starts = LoadIntVec(scratch.starts.data() + v), ends = LoadIntVec(scratch.ends.data() + v);
+      const Vec old_max = LoadVec(scratch.running_max.data() + v);
+      Vec new_max = old_max;
+      for (int64_t slot = lo; slot < hi; ++slot) {
+        Vec score = LoadVec(weights + slot * width + v);
+        if (masked) {
+          const IntVec position = IntVec{} + static_cast<int32_t>(first + slot);
+          score = (position >= starts) & (position < ends) ? score : Splat(kMaskValue);
+          StoreVec(weights + slot * width + v, score);
+        }
+        new_max = Max(new_max, score);
+      }
+      const Vec rescale = Exp(old_max - new_max);
+      Vec sum = LoadVec(scratch.running_sum.data() + v) * rescale;
+      for (int64_t slot = lo; slot < hi; ++slot) {
+        Vec weight = Exp(LoadVec(weights + slot * width + v) - new_max);
+        if (masked) {
+          const IntVec position = IntVec{} + static_cast<int32_t>(first + slot);
+          weight = (position >= starts) & (position < ends) ? weight : Splat(0.0f);
+        }
+        StoreVec(weights + slot * width + v, weight);
+        sum += weight;
+      }
+      StoreVec(scratch.running_max.data() + v, new_max);
+      StoreVec(scratch.running_sum.data() + v, sum);
+      StoreVec(scratch.rescale.data() + v, rescale);
+    }
+    for (int64_t d = 0; d < D; ++d) {
+      float* out_row = scratch.out_t.data() + d * width;
+      for (int64_t v = 0; v < width; v += kLanes) {
+        StoreVec(out_row + v, LoadVec(out_row + v) * LoadVec(scratch.rescale.data() + v));
+      }
+    }
+    AccumulateValues(weights, page + (2 * kv_head + 1) * D, s.row_width, D, width, lo, hi, scratch.out_t.data());
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    float* out_heads = out + ((first_token + i) * s.num_q_heads + kv_head * G) * D;  // [G, D]
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t lane = i * G + g;
+      if (scratch.ends[lane] <= scratch.starts[lane]) {  // padding, or nothing visible: zeros
+        std::fill(out_heads + g * D, out_heads + (g + 1) * D, 0.0f);
+        continue;
+      }
+      const float inverse = 1.0f / std::max(scratch.running_sum[lane], 1e-30f);
+      for (int64_t d = 0; d < D; ++d) out_heads[g * D + d] = scratch.out_t[d * width + lane] * inverse;
+    }
+  }
+}
+
+// The runs of a batch: maximal stretches of consecutive tokens with one row, cut every max_tokens tokens.
 struct Run {
   int64_t first, count;
 };
 
-std::vector<Run> RowRuns(const int32_t* rows, int64_t num_tokens) {
+std::vector<Run> RowRuns(const int32_t* rows, int64_t num_tokens, int64_t max_tokens) {
   std::vector<Run> runs;
   for (int64_t token = 0; token < num_tokens; ++token) {
-    if (!runs.empty() && rows[runs.back().first] == rows[token] && runs.back().count < kMaxRunTokens) {
+    if (!runs.empty() && rows[runs.back().first] == rows[token] && runs.back().count < max_tokens) {
       ++runs.back().count;
     } else {
       runs.push_back({token, 1});
@@ -226,11 +440,18 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   const int32_t* position_data = positions.typed_data();
   const int32_t* kv_len_data = kv_lens.typed_data();
   float* out_data = out->typed_data();
-  const std::vector<Run> runs = RowRuns(row_data, s.num_tokens);
+  const bool tiled = soft_cap <= 0.0f && s.head_dim % kTileSlots == 0;
+  const std::vector<Run> runs = RowRuns(row_data, s.num_tokens, tiled ? kMaxTiledRunTokens : kMaxRunTokens);
   auto attend = [&](int64_t item) {
     const Run& run = runs[item / s.num_kv_heads];
-    AttendRun(s, q_data, page_data, table_data, run.first, run.count, item % s.num_kv_heads, row_data[run.first],
-              position_data, kv_len_data, sliding_window, soft_cap, out_data);
+    const int64_t kv_head = item % s.num_kv_heads;
+    if (tiled && run.count >= kMinTiledRunTokens) {
+      AttendRunTiled(s, q_data, page_data, table_data, run.first, run.count, kv_head, row_data[run.first],
+                     position_data, kv_len_data, sliding_window, out_data);
+    } else {  // shorter than kMinTiledRunTokens <= kMaxRunTokens, or cut at kMaxRunTokens
+      AttendRun(s, q_data, page_data, table_data, run.first, run.count, kv_head, row_data[run.first], position_data,
+                kv_len_data, sliding_window, soft_cap, out_data);
+    }
   };
   ParallelFor(pool, static_cast<int64_t>(runs.size()) * s.num_kv_heads, attend);
   return ffi::Error::Success();

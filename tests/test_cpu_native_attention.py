@@ -43,8 +43,8 @@ NATIVE_CASES = [case for case in CASES if case[0] in ("float32", "bfloat16")] + 
 @pytest.mark.parametrize("kv_read", ["per_token", "auto"])
 @pytest.mark.parametrize("kv_dtype,kind,page_size,head_dim,group", NATIVE_CASES)
 def test_native_kernel_matches_the_reference(kv_dtype, kind, page_size, head_dim, group, kv_read):
-    """Reading per token throughout, or per block (decode blocks by the kernel, prefill blocks by the reference's
-    matmuls)."""
+    """Reading per token throughout, or as `auto` reads plain pools (every token by the kernel: the same call) and
+    the 8-bit case (decode blocks by the kernel's reader, prefill blocks by the reference's matmuls)."""
     seed = CASES.index((kv_dtype, kind, page_size, head_dim, group))
     _check(standard_case(seed, kv_dtype, kind, page_size, head_dim, group), kv_read=kv_read)
 
@@ -82,12 +82,12 @@ def test_random_layouts(seed):
 @pytest.mark.parametrize("seed", range(4))
 def test_rows_of_a_token_and_its_drafts(seed):
     """Speculative verification's shape: each row a decode token and up to 8 drafts (runs the kernel reads each page
-    once for), in half the cases beside a longer chunk (runs of 16 when read per token), long histories, padding."""
+    once for), in half the cases beside a longer chunk (the kernel's tiled path), long histories, padding."""
     rng = np.random.default_rng(200 + seed)
     num_seqs = int(rng.integers(1, 6))
     kv_lens = rng.integers(20, 700, num_seqs).tolist()
     q_lens = [int(rng.integers(1, 10)) for _ in kv_lens]
-    if seed % 2:  # a chunk beside them: auto then reads its block by the reference's matmuls
+    if seed % 2:  # a chunk beside them
         q_lens[-1] = min(kv_lens[-1], 1 + 16 * int(rng.integers(1, 3)) + int(rng.integers(0, 16)))
     case = make_case(
         seed,
@@ -104,6 +104,51 @@ def test_rows_of_a_token_and_its_drafts(seed):
     for kv_read in ("auto", "per_token"):
         _check(case, kv_read=kv_read)
     _check(case, kv_read="per_token", sliding_window=int(rng.integers(1, 40)))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_prefill_chunks_of_random_layouts(seed):
+    """Chunks of 8 to 200 tokens (the kernel's tiled path: cut into runs of up to 64, query rows across SIMD lanes)
+    beside short runs, with random page sizes, GQA groups to 8, head_dims, windows, padding and page orders."""
+    rng = np.random.default_rng(300 + seed)
+    num_seqs = int(rng.integers(1, 5))
+    kv_lens = rng.integers(8, 400, num_seqs).tolist()
+    q_lens = [
+        int(rng.integers(1, min(n, 200) + 1)) if i % 2 == 0 else int(rng.integers(1, 9)) for i, n in enumerate(kv_lens)
+    ]
+    q_lens[0] = max(q_lens[0], min(kv_lens[0], 8))  # at least one chunk on the tiled path
+    case = make_case(
+        seed,
+        kv_lens=kv_lens,
+        q_lens=q_lens,
+        page_size=int(rng.choice([1, 4, 16, 32])),
+        num_kv_heads=int(rng.choice([1, 2, 3])),
+        group=int(rng.choice([1, 2, 3, 5, 8])),
+        head_dim=int(rng.choice([16, 32, 64, 128])),
+        kv_dtype=str(rng.choice(["float32", "bfloat16"])),
+        padded_tokens=sum(q_lens) + int(rng.integers(0, 20)),
+        padded_rows=num_seqs + int(rng.integers(0, 2)),
+        extra_pages_per_seq=int(rng.integers(0, 3)),
+    )
+    _check(case, kv_read="auto")
+    _check(case, kv_read="auto", sliding_window=int(rng.integers(1, 100)))
+
+
+@pytest.mark.parametrize("head_dim,soft_cap", [(20, None), (64, 3.0)])
+def test_prefill_chunks_the_tiled_path_does_not_take(head_dim, soft_cap):
+    """A head_dim that is not a multiple of 8, or a soft cap, keep every run on the per-token dot products."""
+    case = make_case(
+        7,
+        kv_lens=[150, 90],
+        q_lens=[150, 40],
+        page_size=16,
+        num_kv_heads=2,
+        group=3,
+        head_dim=head_dim,
+        kv_dtype="float32",
+        padded_tokens=200,
+    )
+    _check(case, kv_read="auto", soft_cap=soft_cap)
 
 
 def test_bad_page_ids_read_inside_the_pool():
