@@ -8,7 +8,8 @@
 //
 // Two ways to do one run's arithmetic:
 // - short runs (fewer than kMinTiledRunTokens tokens: decodes, a token and its drafts) take one dot product per
-//   (query head, key), vectorized over head_dim (AttendRun);
+//   (query head, key), vectorized over head_dim and summed across lanes by halving, while the next page's K and V
+//   rows are prefetched (AttendRun);
 // - longer runs (prefill chunks) are tiled like a matrix product (AttendRunTiled): the run's query rows sit
 //   across SIMD lanes, transposed once per run, so every score block, softmax statistic and output update is a
 //   vertical vector operation with a key or value element broadcast, and a register tile of 8 keys (or 8 output
@@ -52,8 +53,79 @@ inline float LoadValue(const uint16_t* p) {
   return value;
 }
 
+// Sixteen f32 lanes (one AVX-512 register; GCC splits it into narrower registers on narrower machines).
+typedef float Vec __attribute__((vector_size(64)));
+typedef int32_t IntVec __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+inline Vec Splat(float x) { return Vec{} + x; }
+inline Vec Max(Vec a, Vec b) { return a > b ? a : b; }
+inline Vec LoadVec(const float* p) {
+  Vec v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void StoreVec(float* p, Vec v) { __builtin_memcpy(p, &v, sizeof(v)); }
+inline IntVec LoadIntVec(const int32_t* p) {
+  IntVec v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// e^x for x <= 0, lane by lane: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial (its Taylor
+// coefficients), 2^n put into the exponent bits. Below -87 (where e^x leaves f32's normal range) it gives
+// e^-87, which beside the row's maximum weight of 1 is nothing; masked weights are zeroed by the caller.
+inline Vec Exp(Vec x) {
+  x = x < Splat(-87.0f) ? Splat(-87.0f) : x;
+  const Vec scaled = x * 1.44269504088896341f;  // x / ln2
+  const IntVec n = __builtin_convertvector(scaled + (scaled < Splat(0.0f) ? Splat(-0.5f) : Splat(0.5f)), IntVec);
+  const Vec nf = __builtin_convertvector(n, Vec);
+  const Vec r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-6f;  // ln2 in two parts
+  Vec p = Splat(1.0f / 5040.0f);
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const IntVec bits = (n + 127) << 23;
+  Vec two_to_n;
+  __builtin_memcpy(&two_to_n, &bits, sizeof(two_to_n));
+  return p * two_to_n;
+}
+
+typedef uint16_t HalfVec __attribute__((vector_size(32)));
+// kLanes values from memory as f32 (bf16: the high halves of f32s).
+inline Vec LoadValues(const float* p) { return LoadVec(p); }
+inline Vec LoadValues(const uint16_t* p) {
+  HalfVec half;
+  __builtin_memcpy(&half, p, sizeof(half));
+  const IntVec bits = __builtin_convertvector(half, IntVec) << 16;
+  Vec value;
+  __builtin_memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+// The sum of v's lanes, by halving (four shuffles and adds, not a chain of sixteen).
+inline float HorizontalSum(Vec v) {
+  v += __builtin_shuffle(v, IntVec{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += __builtin_shuffle(v, IntVec{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  v += __builtin_shuffle(v, IntVec{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  v += __builtin_shuffle(v, IntVec{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  return v[0];
+}
+
 template <typename T>
 inline float Dot(const float* q, const T* k, int64_t n) {
+  if (n % kLanes == 0) {  // every head_dim the models use
+    Vec even = {}, odd = {};
+    int64_t i = 0;
+    for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+      even += LoadVec(q + i) * LoadValues(k + i);
+      odd += LoadVec(q + i + kLanes) * LoadValues(k + i + kLanes);
+    }
+    if (i < n) even += LoadVec(q + i) * LoadValues(k + i);
+    return HorizontalSum(even + odd);
+  }
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) sum += q[i] * LoadValue(k + i);
@@ -105,6 +177,16 @@ void AttendRun(const Shapes& s, const float* q, const T* pages, const int32_t* b
   for (int64_t first = run_start - run_start % P; first < run_end; first += P) {
     const int64_t page_id = std::clamp<int64_t>(table[std::min(first / P, s.pages_per_seq - 1)], 0, s.num_pages - 1);
     const T* page = pages + page_id * P * s.row_width;
+    if (first + P < run_end) {  // the next page's K and V rows of this head, while this one is worked on
+      const int64_t next_column = std::min(first / P + 1, s.pages_per_seq - 1);
+      const int64_t next_id = std::clamp<int64_t>(table[next_column], 0, s.num_pages - 1);
+      const char* next = reinterpret_cast<const char*>(pages + next_id * P * s.row_width + 2 * kv_head * D);
+      for (int64_t slot = 0; slot < P; ++slot) {
+        for (int64_t byte = 0; byte < static_cast<int64_t>(2 * D * sizeof(T)); byte += 64) {
+          __builtin_prefetch(next + slot * s.row_width * sizeof(T) + byte);
+        }
+      }
+    }
     for (int64_t i = 0; i < count; ++i) {
       const int64_t lo = std::max(first, ranges[i].start) - first, hi = std::min(first + P, ranges[i].end) - first;
       if (lo >= hi) continue;  // nothing of this page is visible to the token
@@ -151,53 +233,12 @@ void AttendRun(const Shapes& s, const float* q, const T* pages, const int32_t* b
 
 // ---- The tiled path for long runs ----
 
-// Sixteen f32 lanes (one AVX-512 register; GCC splits it into narrower registers on narrower machines).
-typedef float Vec __attribute__((vector_size(64)));
-typedef int32_t IntVec __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
 // Runs of at least this many tokens take the tiled path; runs are cut every kMaxTiledRunTokens tokens there.
 constexpr int64_t kMinTiledRunTokens = 8;
 constexpr int64_t kMaxTiledRunTokens = 64;
 // The register tile: kTileSlots keys (or output dims) by kTileVecs vectors of query rows, 24 accumulators.
 constexpr int64_t kTileSlots = 8;
 constexpr int64_t kTileVecs = 3;
-
-inline Vec Splat(float x) { return Vec{} + x; }
-inline Vec Max(Vec a, Vec b) { return a > b ? a : b; }
-inline Vec LoadVec(const float* p) {
-  Vec v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void StoreVec(float* p, Vec v) { __builtin_memcpy(p, &v, sizeof(v)); }
-inline IntVec LoadIntVec(const int32_t* p) {
-  IntVec v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// e^x for x <= 0, lane by lane: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial (its Taylor
-// coefficients), 2^n put into the exponent bits. Below -87 (where e^x leaves f32's normal range) it gives
-// e^-87, which beside the row's maximum weight of 1 is nothing; masked weights are zeroed by the caller.
-inline Vec Exp(Vec x) {
-  x = x < Splat(-87.0f) ? Splat(-87.0f) : x;
-  const Vec scaled = x * 1.44269504088896341f;  // x / ln2
-  const IntVec n = __builtin_convertvector(scaled + (scaled < Splat(0.0f) ? Splat(-0.5f) : Splat(0.5f)), IntVec);
-  const Vec nf = __builtin_convertvector(n, Vec);
-  const Vec r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-6f;  // ln2 in two parts
-  Vec p = Splat(1.0f / 5040.0f);
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const IntVec bits = (n + 127) << 23;
-  Vec two_to_n;
-  __builtin_memcpy(&two_to_n, &bits, sizeof(two_to_n));
-  return p * two_to_n;
-}
 
 // One work item's buffers, kept per thread: rows across lanes, `width` lanes per row of each.
 struct TiledScratch {
