@@ -6,9 +6,9 @@ XLA:CPU's version of the per-token read gathers every token's KV block into a fr
 the native kernel walks the pages in place (12-15 GB/s on 2 cores, 3x less time at batch 32). Prefill chunks take
 its tiled path, a matrix-product-shaped loop over each page: SmolLM2's 2048-token prompt attends in about 40 ms a
 layer there, against about 107 ms by the reference's 128 x 128 blocks (BUILD.md). The shared library
-is compiled from the source beside this file on first use with the system's C++ compiler (g++ or $CXX), against
-jaxlib's FFI headers, and kept in a cache folder keyed by everything that changes the binary; where no compiler
-works, `native_kernel_error()` says why and `auto` keeps the pure-jnp reference.
+is compiled from the source beside this file (and the two headers it includes) on first use with the system's C++
+compiler (g++ or $CXX), against jaxlib's FFI headers, and kept in a cache folder keyed by everything that changes the
+binary; where no compiler works, `native_kernel_error()` says why and `auto` keeps the pure-jnp reference.
 """
 
 import ctypes
@@ -33,7 +33,10 @@ from pallas_kernels.reference import attend_per_token, ragged_attention_with_rea
 
 logger = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_paged_attention.cc")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.join(_HERE, "cpu_paged_attention.cc")
+# The headers it includes from beside itself: part of the library's cache key.
+HEADERS = tuple(os.path.join(_HERE, name) for name in ("cpu_paged_attention_vectors.h", "cpu_paged_attention_tiled.h"))
 CACHE_ENV_VAR = "PAXKV_NATIVE_CACHE_DIR"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 # When the blocked path runs (kv_read="per_block", or an 8-bit pool under "auto"): query blocks whose rows average
@@ -67,10 +70,11 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str) -> str:
     """Compile the kernel (or find it compiled) and return the shared library's path; raises on failure."""
-    with open(SOURCE, "rb") as f:
-        source = f.read()
     key = hashlib.sha256()
-    for part in (source, compiler.encode(), " ".join(COMPILE_FLAGS).encode(), _cpu_flags().encode()):
+    for path in (SOURCE, *HEADERS):
+        with open(path, "rb") as f:
+            key.update(f.read())
+    for part in (compiler.encode(), " ".join(COMPILE_FLAGS).encode(), _cpu_flags().encode()):
         key.update(part)
     key.update(importlib.metadata.version("jaxlib").encode())
     folder = _cache_dir()

@@ -1,5 +1,8 @@
 """The native CPU attention kernel (pallas_kernels/cpu_paged_attention.cc) against the pure-jnp reference."""
 
+import os
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -198,3 +201,16 @@ def test_the_library_is_built_once_and_reused(monkeypatch, tmp_path):
         monkeypatch.undo()
         native._load.cache_clear()
     assert jnp.dtype(jnp.bfloat16) in native._TARGETS
+
+
+def test_an_edited_header_builds_a_new_library(monkeypatch, tmp_path):
+    """The headers the source includes are part of the library's cache key: editing one never loads a stale build."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(native.CACHE_ENV_VAR, str(cache))
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    first = native._build(compiler)
+    edited = tmp_path / "cpu_paged_attention_tiled.h"
+    edited.write_text(open(native.HEADERS[1]).read() + "// edited\n")
+    monkeypatch.setattr(native, "HEADERS", (native.HEADERS[0], str(edited)))
+    assert native._build(compiler) != first
+    assert len(list(cache.iterdir())) == 2

@@ -1,0 +1,68 @@
+// Part of cpu_paged_attention.cc (included inside its anonymous namespace, never on its own): SIMD vectors of f32
+// through GCC's vector extensions, and the few vector functions both attention paths use.
+
+#ifndef PAXKV_CPU_PAGED_ATTENTION_VECTORS_H_
+#define PAXKV_CPU_PAGED_ATTENTION_VECTORS_H_
+
+// Sixteen f32 lanes (one AVX-512 register; GCC splits it into narrower registers on narrower machines).
+typedef float Vec __attribute__((vector_size(64)));
+typedef int32_t IntVec __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+inline Vec Splat(float x) { return Vec{} + x; }
+inline Vec Max(Vec a, Vec b) { return a > b ? a : b; }
+inline Vec LoadVec(const float* p) {
+  Vec v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void StoreVec(float* p, Vec v) { __builtin_memcpy(p, &v, sizeof(v)); }
+inline IntVec LoadIntVec(const int32_t* p) {
+  IntVec v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// e^x for x <= 0, lane by lane: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial (its Taylor
+// coefficients), 2^n put into the exponent bits. Below -87 (where e^x leaves f32's normal range) it gives
+// e^-87, which beside the row's maximum weight of 1 is nothing; masked weights are zeroed by the caller.
+inline Vec Exp(Vec x) {
+  x = x < Splat(-87.0f) ? Splat(-87.0f) : x;
+  const Vec scaled = x * 1.44269504088896341f;  // x / ln2
+  const IntVec n = __builtin_convertvector(scaled + (scaled < Splat(0.0f) ? Splat(-0.5f) : Splat(0.5f)), IntVec);
+  const Vec nf = __builtin_convertvector(n, Vec);
+  const Vec r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-6f;  // ln2 in two parts
+  Vec p = Splat(1.0f / 5040.0f);
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const IntVec bits = (n + 127) << 23;
+  Vec two_to_n;
+  __builtin_memcpy(&two_to_n, &bits, sizeof(two_to_n));
+  return p * two_to_n;
+}
+
+typedef uint16_t HalfVec __attribute__((vector_size(32)));
+// kLanes values from memory as f32 (bf16: the high halves of f32s).
+inline Vec LoadValues(const float* p) { return LoadVec(p); }
+inline Vec LoadValues(const uint16_t* p) {
+  HalfVec half;
+  __builtin_memcpy(&half, p, sizeof(half));
+  const IntVec bits = __builtin_convertvector(half, IntVec) << 16;
+  Vec value;
+  __builtin_memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+// The sum of v's lanes, by halving (four shuffles and adds, not a chain of sixteen).
+inline float HorizontalSum(Vec v) {
+  v += __builtin_shuffle(v, IntVec{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += __builtin_shuffle(v, IntVec{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  v += __builtin_shuffle(v, IntVec{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  v += __builtin_shuffle(v, IntVec{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  return v[0];
+}
+
+#endif  // PAXKV_CPU_PAGED_ATTENTION_VECTORS_H_
