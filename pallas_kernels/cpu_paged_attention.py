@@ -5,10 +5,12 @@ reference's blocked path and its per-token reader.
 XLA:CPU's version of the per-token read gathers every token's KV block into a fresh array first, at about 4 GB/s;
 the native kernel walks the pages in place (12-15 GB/s on 2 cores, 3x less time at batch 32). Prefill chunks take
 its tiled path, a matrix-product-shaped loop over each page: SmolLM2's 2048-token prompt attends in about 40 ms a
-layer there, against about 107 ms by the reference's 128 x 128 blocks (BUILD.md). The shared library
-is compiled from the source beside this file (and the two headers it includes) on first use with the system's C++
-compiler (g++ or $CXX), against jaxlib's FFI headers, and kept in a cache folder keyed by everything that changes the
-binary; where no compiler works, `native_kernel_error()` says why and `auto` keeps the pure-jnp reference.
+layer there, against about 107 ms by the reference's 128 x 128 blocks (BUILD.md).
+
+The shared library is compiled from the source beside this file (and the two headers it includes) on first use with
+the system's C++ compiler (g++ or $CXX), against jaxlib's FFI headers, and kept in a cache folder keyed by everything
+that changes the binary; where no compiler works, `native_kernel_error()` says why and `auto` keeps the pure-jnp
+reference.
 """
 
 import ctypes
