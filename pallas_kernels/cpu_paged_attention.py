@@ -70,8 +70,8 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def _build(compiler: str) -> str:
-    """Compile the kernel (or find it compiled) and return the shared library's path; raises on failure."""
+def _library_path(compiler: str) -> str:
+    """Where the library built from today's source, headers, compiler, flags, CPU and jaxlib lives in the cache."""
     key = hashlib.sha256()
     for path in (SOURCE, *HEADERS):
         with open(path, "rb") as f:
@@ -79,10 +79,15 @@ def _build(compiler: str) -> str:
     for part in (compiler.encode(), " ".join(COMPILE_FLAGS).encode(), _cpu_flags().encode()):
         key.update(part)
     key.update(importlib.metadata.version("jaxlib").encode())
-    folder = _cache_dir()
-    library = os.path.join(folder, f"cpu_paged_attention-{key.hexdigest()[:16]}.so")
+    return os.path.join(_cache_dir(), f"cpu_paged_attention-{key.hexdigest()[:16]}.so")
+
+
+def _build(compiler: str) -> str:
+    """Compile the kernel (or find it compiled) and return the shared library's path; raises on failure."""
+    library = _library_path(compiler)
     if os.path.exists(library):
         return library
+    folder = os.path.dirname(library)
     os.makedirs(folder, exist_ok=True)
     # Compiled beside its final name, then renamed: processes building at once never load a half-written file.
     descriptor, partial = tempfile.mkstemp(suffix=".so", dir=folder)

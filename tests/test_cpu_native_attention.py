@@ -205,12 +205,14 @@ def test_the_library_is_built_once_and_reused(monkeypatch, tmp_path):
 
 def test_an_edited_header_builds_a_new_library(monkeypatch, tmp_path):
     """The headers the source includes are part of the library's cache key: editing one never loads a stale build."""
-    cache = tmp_path / "cache"
-    monkeypatch.setenv(native.CACHE_ENV_VAR, str(cache))
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    first = native._build(compiler)
-    edited = tmp_path / "cpu_paged_attention_tiled.h"
-    edited.write_text(open(native.HEADERS[1]).read() + "// edited\n")
-    monkeypatch.setattr(native, "HEADERS", (native.HEADERS[0], str(edited)))
-    assert native._build(compiler) != first
-    assert len(list(cache.iterdir())) == 2
+    for index, header in enumerate(native.HEADERS):
+        edited = tmp_path / os.path.basename(header)
+        edited.write_text(open(header).read() + "// edited\n")
+        unedited = native._library_path(compiler)
+        headers = list(native.HEADERS)
+        headers[index] = str(edited)
+        with monkeypatch.context() as patch:
+            patch.setattr(native, "HEADERS", tuple(headers))
+            assert native._library_path(compiler) != unedited
+        assert native._library_path(compiler) == unedited
