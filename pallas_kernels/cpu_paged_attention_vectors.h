@@ -1,5 +1,5 @@
 // Part of cpu_paged_attention.cc (included inside its anonymous namespace, never on its own): SIMD vectors of f32
-// through GCC's vector extensions, and the few vector functions both attention paths use.
+// through GCC's vector extensions (which clang also accepts), and the vector functions the two attention paths use.
 
 #ifndef PAXKV_CPU_PAGED_ATTENTION_VECTORS_H_
 #define PAXKV_CPU_PAGED_ATTENTION_VECTORS_H_
@@ -56,12 +56,19 @@ inline Vec LoadValues(const uint16_t* p) {
   __builtin_memcpy(&value, &bits, sizeof(value));
   return value;
 }
+// v's lanes in another order: GCC and clang spell the builtin differently ($CXX may be either).
+#if defined(__clang__)
+#define PAXKV_PERMUTE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define PAXKV_PERMUTE(v, ...) __builtin_shuffle(v, IntVec{__VA_ARGS__})
+#endif
+
 // The sum of v's lanes, by halving (four shuffles and adds, not a chain of sixteen).
 inline float HorizontalSum(Vec v) {
-  v += __builtin_shuffle(v, IntVec{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  v += __builtin_shuffle(v, IntVec{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  v += __builtin_shuffle(v, IntVec{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  v += __builtin_shuffle(v, IntVec{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  v += PAXKV_PERMUTE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += PAXKV_PERMUTE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += PAXKV_PERMUTE(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += PAXKV_PERMUTE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
   return v[0];
 }
 
