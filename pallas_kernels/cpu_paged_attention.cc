@@ -6,10 +6,12 @@
 // Nothing is gathered into a fresh block first, which is what bounds XLA:CPU's version (its gather copies about
 // 4 GB/s); each page comes from memory once per run. Work items are split over XLA's intra-op thread pool.
 //
-// Two ways to do one run's arithmetic:
-// - short runs (fewer than kMinTiledRunTokens tokens: decodes, a token and its drafts) take one dot product per
-//   (query head, key), vectorized over head_dim and summed across lanes by halving, while the next page's K and V
-//   rows are prefetched (AttendRun);
+// Three ways to do one run's arithmetic:
+// - short runs (fewer than kMinTiledRunTokens tokens: decodes, a token and its drafts) put a page's slots across
+//   SIMD lanes when head_dim is a multiple of kLanes (AttendRunLanes): each query row's scores against 16 slots are
+//   one vector, so its softmax is vector work and its output stays in registers across the slots;
+// - other short runs take one dot product per (query head, key), vectorized over head_dim and summed across lanes
+//   by halving (AttendRun); both paths prefetch the next page's K and V rows while one page is worked on;
 // - longer runs (prefill chunks) are tiled like a matrix product (AttendRunTiled): the run's query rows sit
 //   across SIMD lanes, transposed once per run, so every score block, softmax statistic and output update is a
 //   vertical vector operation with a key or value element broadcast, and a register tile of 8 keys (or 8 output
@@ -95,6 +97,39 @@ TokenRange VisibleRange(int32_t position, int32_t kv_len, int64_t sliding_window
   return {start, end};
 }
 
+// Prefetches the K and V rows of one KV head (head_dim D) in the page at `column` of a row's block table, while
+// the page before it is worked on.
+template <typename T>
+inline void PrefetchPage(const Shapes& s, const T* pages, const int32_t* table, int64_t column, int64_t kv_head,
+                         int64_t D) {
+  const int64_t page_id = std::clamp<int64_t>(table[std::min(column, s.pages_per_seq - 1)], 0, s.num_pages - 1);
+  const char* next = reinterpret_cast<const char*>(pages + page_id * s.page_size * s.row_width + 2 * kv_head * D);
+  for (int64_t slot = 0; slot < s.page_size; ++slot) {
+    for (int64_t byte = 0; byte < static_cast<int64_t>(2 * D * sizeof(T)); byte += 64) {
+      __builtin_prefetch(next + slot * s.row_width * sizeof(T) + byte);
+    }
+  }
+}
+
+// A run's outputs for one KV head from its accumulators [count * G, D] and softmax sums [count * G]: out = acc / sum,
+// zeros for tokens that see nothing (padding).
+inline void WriteRunOutputs(const Shapes& s, const TokenRange* ranges, int64_t first_token, int64_t count,
+                            int64_t kv_head, const float* acc, const float* running_sum, float* out) {
+  const int64_t G = s.group, D = s.head_dim;
+  for (int64_t i = 0; i < count; ++i) {
+    float* out_heads = out + ((first_token + i) * s.num_q_heads + kv_head * G) * D;  // [G, D]
+    if (ranges[i].end <= ranges[i].start) {  // padding, or nothing visible: zeros
+      std::fill(out_heads, out_heads + G * D, 0.0f);
+      continue;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t state = i * G + g;
+      const float inverse = 1.0f / std::max(running_sum[state], 1e-30f);
+      for (int64_t j = 0; j < D; ++j) out_heads[g * D + j] = acc[state * D + j] * inverse;
+    }
+  }
+}
+
 // Tokens [first, first + count) of one row against one KV head: their G query heads, all visible positions.
 template <typename T>
 void AttendRun(const Shapes& s, const float* q, const T* pages, const int32_t* block_tables, int64_t first_token,
@@ -118,16 +153,7 @@ void AttendRun(const Shapes& s, const float* q, const T* pages, const int32_t* b
   for (int64_t first = run_start - run_start % P; first < run_end; first += P) {
     const int64_t page_id = std::clamp<int64_t>(table[std::min(first / P, s.pages_per_seq - 1)], 0, s.num_pages - 1);
     const T* page = pages + page_id * P * s.row_width;
-    if (first + P < run_end) {  // the next page's K and V rows of this head, while this one is worked on
-      const int64_t next_column = std::min(first / P + 1, s.pages_per_seq - 1);
-      const int64_t next_id = std::clamp<int64_t>(table[next_column], 0, s.num_pages - 1);
-      const char* next = reinterpret_cast<const char*>(pages + next_id * P * s.row_width + 2 * kv_head * D);
-      for (int64_t slot = 0; slot < P; ++slot) {
-        for (int64_t byte = 0; byte < static_cast<int64_t>(2 * D * sizeof(T)); byte += 64) {
-          __builtin_prefetch(next + slot * s.row_width * sizeof(T) + byte);
-        }
-      }
-    }
+    if (first + P < run_end) PrefetchPage(s, pages, table, first / P + 1, kv_head, D);
     for (int64_t i = 0; i < count; ++i) {
       const int64_t lo = std::max(first, ranges[i].start) - first, hi = std::min(first + P, ranges[i].end) - first;
       if (lo >= hi) continue;  // nothing of this page is visible to the token
@@ -158,20 +184,10 @@ void AttendRun(const Shapes& s, const float* q, const T* pages, const int32_t* b
       }
     }
   }
-  for (int64_t i = 0; i < count; ++i) {
-    float* out_heads = out + ((first_token + i) * s.num_q_heads + kv_head * G) * D;  // [G, D]
-    if (ranges[i].end <= ranges[i].start) {  // padding, or nothing visible: zeros
-      std::fill(out_heads, out_heads + G * D, 0.0f);
-      continue;
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t state = i * G + g;
-      const float inverse = 1.0f / std::max(running_sum[state], 1e-30f);
-      for (int64_t j = 0; j < D; ++j) out_heads[g * D + j] = acc[state * D + j] * inverse;
-    }
-  }
+  WriteRunOutputs(s, ranges, first_token, count, kv_head, acc.data(), running_sum.data(), out);
 }
 
+#include "cpu_paged_attention_lanes.h"  // AttendRunLanes, for short runs when head_dim is a multiple of kLanes
 #include "cpu_paged_attention_tiled.h"  // AttendRunTiled, for runs of kMinTiledRunTokens or more
 
 // The runs of a batch: maximal stretches of consecutive tokens with one row, cut every max_tokens tokens.
@@ -266,7 +282,9 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
     if (tiled && run.count >= kMinTiledRunTokens) {
       AttendRunTiled(s, q_data, page_data, table_data, run.first, run.count, kv_head, row_data[run.first],
                      position_data, kv_len_data, sliding_window, out_data);
-    } else {  // shorter than kMinTiledRunTokens <= kMaxRunTokens, or cut at kMaxRunTokens
+    } else if (!AttendRunLanesFor(s, q_data, page_data, table_data, run.first, run.count, kv_head,
+                                  row_data[run.first], position_data, kv_len_data, sliding_window, soft_cap,
+                                  out_data)) {  // short runs, or cut at kMaxRunTokens; head_dim not a lane multiple
       AttendRun(s, q_data, page_data, table_data, run.first, run.count, kv_head, row_data[run.first], position_data,
                 kv_len_data, sliding_window, soft_cap, out_data);
     }

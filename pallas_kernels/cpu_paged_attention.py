@@ -38,7 +38,10 @@ logger = logging.getLogger(__name__)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(_HERE, "cpu_paged_attention.cc")
 # The headers it includes from beside itself: part of the library's cache key.
-HEADERS = tuple(os.path.join(_HERE, name) for name in ("cpu_paged_attention_vectors.h", "cpu_paged_attention_tiled.h"))
+HEADERS = tuple(
+    os.path.join(_HERE, name)
+    for name in ("cpu_paged_attention_vectors.h", "cpu_paged_attention_lanes.h", "cpu_paged_attention_tiled.h")
+)
 CACHE_ENV_VAR = "PAXKV_NATIVE_CACHE_DIR"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 # When the blocked path runs (kv_read="per_block", or an 8-bit pool under "auto"): query blocks whose rows average

@@ -63,6 +63,13 @@ inline Vec LoadValues(const uint16_t* p) {
 #define PAXKV_PERMUTE(v, ...) __builtin_shuffle(v, IntVec{__VA_ARGS__})
 #endif
 
+// Lanes of a and b (indices 0-15 from a, 16-31 from b) in the order given.
+#if defined(__clang__)
+#define PAXKV_SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define PAXKV_SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, IntVec{__VA_ARGS__})
+#endif
+
 // The sum of v's lanes, by halving (four shuffles and adds, not a chain of sixteen).
 inline float HorizontalSum(Vec v) {
   v += PAXKV_PERMUTE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
@@ -70,6 +77,36 @@ inline float HorizontalSum(Vec v) {
   v += PAXKV_PERMUTE(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
   v += PAXKV_PERMUTE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
   return v[0];
+}
+
+// The largest of v's lanes, by halving.
+inline float HorizontalMax(Vec v) {
+  v = Max(v, PAXKV_PERMUTE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = Max(v, PAXKV_PERMUTE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = Max(v, PAXKV_PERMUTE(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = Max(v, PAXKV_PERMUTE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
+}
+
+// The sums of the lanes of v[0], ..., v[15] as one vector (lane s: the sum of v[s]'s lanes), by a butterfly: each
+// level adds the halves of pairs of vectors, 15 pairs of two shuffles and an add in all, against 16 x 8 operations
+// for sixteen HorizontalSums. Each output lane sums only its own input's lanes.
+inline Vec SumEachOfSixteen(const Vec v[16]) {
+  Vec u[8], w[4], z[2];
+  for (int k = 0; k < 8; ++k) {  // lanes 0-7: 8 partial sums of v[2k]; lanes 8-15: of v[2k + 1]
+    u[k] = PAXKV_SHUFFLE2(v[2 * k], v[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           PAXKV_SHUFFLE2(v[2 * k], v[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int m = 0; m < 4; ++m) {  // 4 lanes each for v[4m], ..., v[4m + 3]
+    w[m] = PAXKV_SHUFFLE2(u[2 * m], u[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           PAXKV_SHUFFLE2(u[2 * m], u[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  for (int n = 0; n < 2; ++n) {  // 2 lanes each for v[8n], ..., v[8n + 7]
+    z[n] = PAXKV_SHUFFLE2(w[2 * n], w[2 * n + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           PAXKV_SHUFFLE2(w[2 * n], w[2 * n + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  }
+  return PAXKV_SHUFFLE2(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         PAXKV_SHUFFLE2(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 #endif  // PAXKV_CPU_PAGED_ATTENTION_VECTORS_H_

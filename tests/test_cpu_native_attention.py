@@ -60,7 +60,8 @@ def test_sliding_window_and_soft_cap(sliding_window, soft_cap):
 
 @pytest.mark.parametrize("seed", range(8))
 def test_random_layouts(seed):
-    """Random head counts, GQA groups, page sizes, lengths (to 300 positions), padding and table widths."""
+    """Random head counts, GQA groups, page sizes, lengths (to 300 positions), padding and table widths; head_dims
+    that are multiples of 16 (the slots-across-lanes path, 2 to 8 vectors a row) and 24 (one dot product per key)."""
     rng = np.random.default_rng(100 + seed)
     num_seqs = int(rng.integers(1, 9))
     page_size = int(rng.choice([1, 4, 16, 32]))
@@ -73,7 +74,7 @@ def test_random_layouts(seed):
         page_size=page_size,
         num_kv_heads=int(rng.choice([1, 2, 3, 8])),
         group=int(rng.choice([1, 2, 3, 5])),
-        head_dim=int(rng.choice([32, 64, 128])),
+        head_dim=[24, 32, 64, 80, 128][seed % 5],
         kv_dtype=str(rng.choice(["float32", "bfloat16"])),
         padded_tokens=sum(q_lens) + int(rng.integers(0, 6)),
         padded_rows=num_seqs + int(rng.integers(0, 3)),
@@ -139,7 +140,8 @@ def test_prefill_chunks_of_random_layouts(seed):
 
 @pytest.mark.parametrize("head_dim,soft_cap", [(20, None), (64, 3.0)])
 def test_prefill_chunks_the_tiled_path_does_not_take(head_dim, soft_cap):
-    """A head_dim that is not a multiple of 8, or a soft cap, keep every run on the per-token dot products."""
+    """A head_dim that is not a multiple of 8, or a soft cap, keep every run on the short-run paths (cut every 16
+    tokens): one dot product per key for head_dim 20, slots across lanes for 64."""
     case = make_case(
         7,
         kv_lens=[150, 90],

@@ -1,0 +1,135 @@
+// Part of cpu_paged_attention.cc (included inside its anonymous namespace, after Shapes, VisibleRange, kMaxRunTokens
+// and the vector helpers, never on its own): the path that short runs (decode tokens, a token and its drafts) take
+// when head_dim is a multiple of kLanes.
+//
+// A page's slots lie across SIMD lanes, kLanes at a time: each query row's scores against those slots are one
+// vector (its dot products with the keys, summed by a butterfly across the sixteen), so the softmax's maximum,
+// exponentials and sum are vector operations, and the value update keeps the row's output in registers while it
+// walks the slots. One query row at a time, and each row's arithmetic never depends on the other rows of its run.
+
+#ifndef PAXKV_CPU_PAGED_ATTENTION_LANES_H_
+#define PAXKV_CPU_PAGED_ATTENTION_LANES_H_
+
+// Slot s's lane index, for the visibility mask.
+inline IntVec LaneIndices() {
+  IntVec lanes;
+  for (int j = 0; j < kLanes; ++j) lanes[j] = j;
+  return lanes;
+}
+
+// One query row against slots [chunk, chunk + n) of a page (n <= kLanes), those in [lo, hi) visible: updates the
+// row's running maximum, sum and output accumulator acc[kChunks * kLanes] (online softmax).
+template <int kChunks, typename T>
+inline void AttendSlotChunk(const Vec (&q)[kChunks], const T* keys, const T* values, int64_t row_width, int64_t n,
+                            int64_t lo, int64_t hi, float soft_cap, float& running_max, float& running_sum,
+                            float* acc) {
+  Vec partial[kLanes];
+#pragma GCC unroll 16
+  for (int64_t j = 0; j < kLanes; ++j) {
+    Vec dot = {};
+    if (j < n) {
+      const T* key = keys + j * row_width;
+#pragma GCC unroll 16
+      for (int c = 0; c < kChunks; ++c) dot += q[c] * LoadValues(key + c * kLanes);
+    }
+    partial[j] = dot;
+  }
+  Vec scores = SumEachOfSixteen(partial);  // lane j: slot j's score
+  if (soft_cap > 0.0f) {
+    for (int j = 0; j < kLanes; ++j) scores[j] = soft_cap * std::tanh(scores[j] / soft_cap);
+  }
+  const IntVec lanes = LaneIndices();
+  const IntVec visible = (lanes >= static_cast<int32_t>(lo)) & (lanes < static_cast<int32_t>(hi));
+  scores = visible ? scores : Splat(kMaskValue);  // a select: garbage in unused slots never reaches the sums
+  const float new_max = std::max(running_max, HorizontalMax(scores));
+  const float rescale = std::exp(running_max - new_max);
+  Vec weights = Exp(scores - Splat(new_max));
+  weights = visible ? weights : Vec{};
+  running_sum = running_sum * rescale + HorizontalSum(weights);
+  running_max = new_max;
+  float weight[kLanes];
+  StoreVec(weight, weights);
+  Vec out[kChunks];
+#pragma GCC unroll 16
+  for (int c = 0; c < kChunks; ++c) out[c] = LoadVec(acc + c * kLanes) * rescale;
+  for (int64_t j = lo; j < hi; ++j) {
+    const Vec w = Splat(weight[j]);
+    const T* value = values + j * row_width;
+#pragma GCC unroll 16
+    for (int c = 0; c < kChunks; ++c) out[c] += w * LoadValues(value + c * kLanes);
+  }
+#pragma GCC unroll 16
+  for (int c = 0; c < kChunks; ++c) StoreVec(acc + c * kLanes, out[c]);
+}
+
+// Tokens [first, first + count) of one row against one KV head, head_dim = kChunks * kLanes: AttendRun's contract.
+template <int kChunks, typename T>
+void AttendRunLanes(const Shapes& s, const float* q, const T* pages, const int32_t* block_tables, int64_t first_token,
+                    int64_t count, int64_t kv_head, int32_t row, const int32_t* positions, const int32_t* kv_lens,
+                    int64_t sliding_window, float soft_cap, float* out) {
+  constexpr int64_t D = kChunks * kLanes;
+  const int64_t G = s.group, P = s.page_size;
+  TokenRange ranges[kMaxRunTokens];
+  int64_t run_start = std::numeric_limits<int64_t>::max(), run_end = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    ranges[i] = VisibleRange(positions[first_token + i], kv_lens[first_token + i], sliding_window);
+    if (ranges[i].end > ranges[i].start) {
+      run_start = std::min(run_start, ranges[i].start);
+      run_end = std::max(run_end, ranges[i].end);
+    }
+  }
+  // [count * G, D] accumulators and [count * G] running maxima and sums, token-major.
+  std::vector<float> acc(count * G * D, 0.0f), running_max(count * G, kMaskValue), running_sum(count * G, 0.0f);
+  const int32_t* table = block_tables + std::clamp<int64_t>(row, 0, s.num_rows - 1) * s.pages_per_seq;
+  for (int64_t first = run_start - run_start % P; first < run_end; first += P) {
+    const int64_t page_id = std::clamp<int64_t>(table[std::min(first / P, s.pages_per_seq - 1)], 0, s.num_pages - 1);
+    const T* page = pages + page_id * P * s.row_width + 2 * kv_head * D;  // this head's key in slot 0
+    if (first + P < run_end) PrefetchPage(s, pages, table, first / P + 1, kv_head, D);
+    for (int64_t chunk = first; chunk < std::min(first + P, run_end); chunk += kLanes) {
+      const int64_t n = std::min<int64_t>(kLanes, first + P - chunk);
+      const T* keys = page + (chunk - first) * s.row_width;
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t lo = std::max(chunk, ranges[i].start) - chunk;
+        const int64_t hi = std::min(chunk + n, ranges[i].end) - chunk;
+        if (lo >= hi) continue;  // nothing of these slots is visible to the token
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t state = i * G + g;
+          const float* q_row = q + ((first_token + i) * s.num_q_heads + kv_head * G + g) * D;
+          Vec q_vecs[kChunks];
+          for (int c = 0; c < kChunks; ++c) q_vecs[c] = LoadVec(q_row + c * kLanes);
+          AttendSlotChunk<kChunks>(q_vecs, keys, keys + D, s.row_width, n, lo, hi, soft_cap, running_max[state],
+                                   running_sum[state], acc.data() + state * D);
+        }
+      }
+    }
+  }
+  WriteRunOutputs(s, ranges, first_token, count, kv_head, acc.data(), running_sum.data(), out);
+}
+
+// AttendRunLanes for this head_dim when it is kLanes times 1-8 or 16; false (nothing done) otherwise.
+template <typename T>
+bool AttendRunLanesFor(const Shapes& s, const float* q, const T* pages, const int32_t* block_tables,
+                       int64_t first_token, int64_t count, int64_t kv_head, int32_t row, const int32_t* positions,
+                       const int32_t* kv_lens, int64_t sliding_window, float soft_cap, float* out) {
+#define PAXKV_LANES_CASE(chunks)                                                                                    \
+  case chunks * kLanes:                                                                                             \
+    AttendRunLanes<chunks>(s, q, pages, block_tables, first_token, count, kv_head, row, positions, kv_lens,        \
+                           sliding_window, soft_cap, out);                                                          \
+    return true;
+  switch (s.head_dim) {
+    PAXKV_LANES_CASE(1)
+    PAXKV_LANES_CASE(2)
+    PAXKV_LANES_CASE(3)
+    PAXKV_LANES_CASE(4)
+    PAXKV_LANES_CASE(5)
+    PAXKV_LANES_CASE(6)
+    PAXKV_LANES_CASE(7)
+    PAXKV_LANES_CASE(8)
+    PAXKV_LANES_CASE(16)
+    default:
+      return false;
+  }
+#undef PAXKV_LANES_CASE
+}
+
+#endif  // PAXKV_CPU_PAGED_ATTENTION_LANES_H_
