@@ -8,7 +8,7 @@
 //
 // Three ways to do one run's arithmetic:
 // - short runs (fewer than kMinTiledRunTokens tokens: decodes, a token and its drafts) put a page's slots across
-//   SIMD lanes when head_dim is a multiple of kLanes (AttendRunLanes): each query row's scores against 16 slots are
+//   SIMD lanes when head_dim is 32, 64 or 128 (AttendRunLanes): each query row's scores against 16 slots are
 //   one vector, so its softmax is vector work and its output stays in registers across the slots;
 // - other short runs take one dot product per (query head, key), vectorized over head_dim and summed across lanes
 //   by halving (AttendRun); both paths prefetch the next page's K and V rows while one page is worked on;
@@ -187,7 +187,7 @@ void AttendRun(const Shapes& s, const float* q, const T* pages, const int32_t* b
   WriteRunOutputs(s, ranges, first_token, count, kv_head, acc.data(), running_sum.data(), out);
 }
 
-#include "cpu_paged_attention_lanes.h"  // AttendRunLanes, for short runs when head_dim is a multiple of kLanes
+#include "cpu_paged_attention_lanes.h"  // AttendRunLanes, for short runs when head_dim is 32, 64 or 128
 #include "cpu_paged_attention_tiled.h"  // AttendRunTiled, for runs of kMinTiledRunTokens or more
 
 // The runs of a batch: maximal stretches of consecutive tokens with one row, cut every max_tokens tokens.

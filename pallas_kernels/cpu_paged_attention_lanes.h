@@ -1,6 +1,6 @@
 // Part of cpu_paged_attention.cc (included inside its anonymous namespace, after Shapes, VisibleRange, kMaxRunTokens
 // and the vector helpers, never on its own): the path that short runs (decode tokens, a token and its drafts) take
-// when head_dim is a multiple of kLanes.
+// when head_dim is 32, 64 or 128.
 //
 // A page's slots lie across SIMD lanes, kLanes at a time: each query row's scores against those slots are one
 // vector (its dot products with the keys, summed by a butterfly across the sixteen), so the softmax's maximum,
@@ -106,7 +106,7 @@ void AttendRunLanes(const Shapes& s, const float* q, const T* pages, const int32
   WriteRunOutputs(s, ranges, first_token, count, kv_head, acc.data(), running_sum.data(), out);
 }
 
-// AttendRunLanes for this head_dim when it is kLanes times 1-8 or 16; false (nothing done) otherwise.
+// AttendRunLanes for head_dim 32, 64 or 128; false (nothing done) for others.
 template <typename T>
 bool AttendRunLanesFor(const Shapes& s, const float* q, const T* pages, const int32_t* block_tables,
                        int64_t first_token, int64_t count, int64_t kv_head, int32_t row, const int32_t* positions,
@@ -116,16 +116,10 @@ bool AttendRunLanesFor(const Shapes& s, const float* q, const T* pages, const in
     AttendRunLanes<chunks>(s, q, pages, block_tables, first_token, count, kv_head, row, positions, kv_lens,        \
                            sliding_window, soft_cap, out);                                                          \
     return true;
-  switch (s.head_dim) {
-    PAXKV_LANES_CASE(1)
+  switch (s.head_dim) {  // the head_dims of the models paxkv runs (each case adds about 0.6 s to the build)
     PAXKV_LANES_CASE(2)
-    PAXKV_LANES_CASE(3)
     PAXKV_LANES_CASE(4)
-    PAXKV_LANES_CASE(5)
-    PAXKV_LANES_CASE(6)
-    PAXKV_LANES_CASE(7)
     PAXKV_LANES_CASE(8)
-    PAXKV_LANES_CASE(16)
     default:
       return false;
   }

@@ -61,7 +61,7 @@ def test_sliding_window_and_soft_cap(sliding_window, soft_cap):
 @pytest.mark.parametrize("seed", range(8))
 def test_random_layouts(seed):
     """Random head counts, GQA groups, page sizes, lengths (to 300 positions), padding and table widths; head_dims
-    that are multiples of 16 (the slots-across-lanes path, 2 to 8 vectors a row) and 24 (one dot product per key)."""
+    32, 64 and 128 (the slots-across-lanes path), 24 and 80 (one dot product per key)."""
     rng = np.random.default_rng(100 + seed)
     num_seqs = int(rng.integers(1, 9))
     page_size = int(rng.choice([1, 4, 16, 32]))
