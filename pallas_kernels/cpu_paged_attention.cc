@@ -130,6 +130,21 @@ inline void WriteRunOutputs(const Shapes& s, const TokenRange* ranges, int64_t f
   }
 }
 
+// Each of a run's tokens' visible positions, into ranges[0, count); returns the span [start, end) that covers them
+// all (empty, start > end, when no token sees anything).
+inline TokenRange RunRanges(const int32_t* positions, const int32_t* kv_lens, int64_t first_token, int64_t count,
+                            int64_t sliding_window, TokenRange* ranges) {
+  TokenRange run = {std::numeric_limits<int64_t>::max(), 0};
+  for (int64_t i = 0; i < count; ++i) {
+    ranges[i] = VisibleRange(positions[first_token + i], kv_lens[first_token + i], sliding_window);
+    if (ranges[i].end > ranges[i].start) {
+      run.start = std::min(run.start, ranges[i].start);
+      run.end = std::max(run.end, ranges[i].end);
+    }
+  }
+  return run;
+}
+
 // Tokens [first, first + count) of one row against one KV head: their G query heads, all visible positions.
 template <typename T>
 void AttendRun(const Shapes& s, const float* q, const T* pages, const int32_t* block_tables, int64_t first_token,
@@ -137,14 +152,7 @@ void AttendRun(const Shapes& s, const float* q, const T* pages, const int32_t* b
                int64_t sliding_window, float soft_cap, float* out) {
   const int64_t G = s.group, D = s.head_dim, P = s.page_size;
   TokenRange ranges[kMaxRunTokens];
-  int64_t run_start = std::numeric_limits<int64_t>::max(), run_end = 0;
-  for (int64_t i = 0; i < count; ++i) {
-    ranges[i] = VisibleRange(positions[first_token + i], kv_lens[first_token + i], sliding_window);
-    if (ranges[i].end > ranges[i].start) {
-      run_start = std::min(run_start, ranges[i].start);
-      run_end = std::max(run_end, ranges[i].end);
-    }
-  }
+  const auto [run_start, run_end] = RunRanges(positions, kv_lens, first_token, count, sliding_window, ranges);
   // [count, G, D] accumulators and [count, G] running maxima and sums, token-major.
   std::vector<float> acc(count * G * D, 0.0f), running_max(count * G, kMaskValue), running_sum(count * G, 0.0f);
   std::vector<float> scores(P);

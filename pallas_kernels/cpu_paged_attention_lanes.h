@@ -70,14 +70,7 @@ void AttendRunLanes(const Shapes& s, const float* q, const T* pages, const int32
   constexpr int64_t D = kChunks * kLanes;
   const int64_t G = s.group, P = s.page_size;
   TokenRange ranges[kMaxRunTokens];
-  int64_t run_start = std::numeric_limits<int64_t>::max(), run_end = 0;
-  for (int64_t i = 0; i < count; ++i) {
-    ranges[i] = VisibleRange(positions[first_token + i], kv_lens[first_token + i], sliding_window);
-    if (ranges[i].end > ranges[i].start) {
-      run_start = std::min(run_start, ranges[i].start);
-      run_end = std::max(run_end, ranges[i].end);
-    }
-  }
+  const auto [run_start, run_end] = RunRanges(positions, kv_lens, first_token, count, sliding_window, ranges);
   // [count * G, D] accumulators and [count * G] running maxima and sums, token-major.
   std::vector<float> acc(count * G * D, 0.0f), running_max(count * G, kMaskValue), running_sum(count * G, 0.0f);
   const int32_t* table = block_tables + std::clamp<int64_t>(row, 0, s.num_rows - 1) * s.pages_per_seq;
