@@ -292,7 +292,7 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
                      position_data, kv_len_data, sliding_window, out_data);
     } else if (!AttendRunLanesFor(s, q_data, page_data, table_data, run.first, run.count, kv_head,
                                   row_data[run.first], position_data, kv_len_data, sliding_window, soft_cap,
-                                  out_data)) {  // short runs, or cut at kMaxRunTokens; head_dim not a lane multiple
+                                  out_data)) {  // short runs (or cut at kMaxRunTokens) of other head_dims
       AttendRun(s, q_data, page_data, table_data, run.first, run.count, kv_head, row_data[run.first], position_data,
                 kv_len_data, sliding_window, soft_cap, out_data);
     }
