@@ -97,12 +97,21 @@ TokenRange VisibleRange(int32_t position, int32_t kv_len, int64_t sliding_window
   return {start, end};
 }
 
+// A row's block table, and the pool index of the page at one of its columns. Indices are clamped as XLA clamps a
+// gather's, so bad metadata reads a wrong page, never outside the pool.
+inline const int32_t* RowTable(const Shapes& s, const int32_t* block_tables, int32_t row) {
+  return block_tables + std::clamp<int64_t>(row, 0, s.num_rows - 1) * s.pages_per_seq;
+}
+inline int64_t PageAt(const Shapes& s, const int32_t* table, int64_t column) {
+  return std::clamp<int64_t>(table[std::min(column, s.pages_per_seq - 1)], 0, s.num_pages - 1);
+}
+
 // Prefetches the K and V rows of one KV head (head_dim D) in the page at `column` of a row's block table, while
 // the page before it is worked on.
 template <typename T>
 inline void PrefetchPage(const Shapes& s, const T* pages, const int32_t* table, int64_t column, int64_t kv_head,
                          int64_t D) {
-  const int64_t page_id = std::clamp<int64_t>(table[std::min(column, s.pages_per_seq - 1)], 0, s.num_pages - 1);
+  const int64_t page_id = PageAt(s, table, column);
   const char* next = reinterpret_cast<const char*>(pages + page_id * s.page_size * s.row_width + 2 * kv_head * D);
   for (int64_t slot = 0; slot < s.page_size; ++slot) {
     for (int64_t byte = 0; byte < static_cast<int64_t>(2 * D * sizeof(T)); byte += 64) {
@@ -156,10 +165,9 @@ void AttendRun(const Shapes& s, const float* q, const T* pages, const int32_t* b
   // [count, G, D] accumulators and [count, G] running maxima and sums, token-major.
   std::vector<float> acc(count * G * D, 0.0f), running_max(count * G, kMaskValue), running_sum(count * G, 0.0f);
   std::vector<float> scores(P);
-  // Indices are clamped as XLA clamps a gather's, so bad metadata reads a wrong page, never outside the pool.
-  const int32_t* table = block_tables + std::clamp<int64_t>(row, 0, s.num_rows - 1) * s.pages_per_seq;
+  const int32_t* table = RowTable(s, block_tables, row);
   for (int64_t first = run_start - run_start % P; first < run_end; first += P) {
-    const int64_t page_id = std::clamp<int64_t>(table[std::min(first / P, s.pages_per_seq - 1)], 0, s.num_pages - 1);
+    const int64_t page_id = PageAt(s, table, first / P);
     const T* page = pages + page_id * P * s.row_width;
     if (first + P < run_end) PrefetchPage(s, pages, table, first / P + 1, kv_head, D);
     for (int64_t i = 0; i < count; ++i) {

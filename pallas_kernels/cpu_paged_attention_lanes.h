@@ -73,9 +73,9 @@ void AttendRunLanes(const Shapes& s, const float* q, const T* pages, const int32
   const auto [run_start, run_end] = RunRanges(positions, kv_lens, first_token, count, sliding_window, ranges);
   // [count * G, D] accumulators and [count * G] running maxima and sums, token-major.
   std::vector<float> acc(count * G * D, 0.0f), running_max(count * G, kMaskValue), running_sum(count * G, 0.0f);
-  const int32_t* table = block_tables + std::clamp<int64_t>(row, 0, s.num_rows - 1) * s.pages_per_seq;
+  const int32_t* table = RowTable(s, block_tables, row);
   for (int64_t first = run_start - run_start % P; first < run_end; first += P) {
-    const int64_t page_id = std::clamp<int64_t>(table[std::min(first / P, s.pages_per_seq - 1)], 0, s.num_pages - 1);
+    const int64_t page_id = PageAt(s, table, first / P);
     const T* page = pages + page_id * P * s.row_width + 2 * kv_head * D;  // this head's key in slot 0
     if (first + P < run_end) PrefetchPage(s, pages, table, first / P + 1, kv_head, D);
     for (int64_t chunk = first; chunk < std::min(first + P, run_end); chunk += kLanes) {

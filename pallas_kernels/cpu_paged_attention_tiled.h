@@ -108,10 +108,10 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
       for (int64_t d = 0; d < D; ++d) scratch.q_t[d * width + lane] = q_heads[g * D + d];
     }
   }
-  const int32_t* table = block_tables + std::clamp<int64_t>(row, 0, s.num_rows - 1) * s.pages_per_seq;
+  const int32_t* table = RowTable(s, block_tables, row);
   float* weights = scratch.weights.data();
   for (int64_t first = run_start - run_start % P; first < run_end; first += P) {
-    const int64_t page_id = std::clamp<int64_t>(table[std::min(first / P, s.pages_per_seq - 1)], 0, s.num_pages - 1);
+    const int64_t page_id = PageAt(s, table, first / P);
     const T* page = pages + page_id * P * s.row_width;
     // Slots some token of the run sees: all lie inside the sequence, so they hold written, finite K and V.
     const int64_t lo = std::max(first, run_start) - first, hi = std::min(first + P, run_end) - first;
