@@ -1,7 +1,9 @@
 """Random ragged paged-attention inputs shared by the kernel tests and the kernel benchmark's checks."""
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -125,12 +127,7 @@ def make_case(
         token_rows = values.reshape(num_pages, page_size, 2 * num_kv_heads, head_dim)
         # Give rows different magnitudes, as real K/V have, so per-row scales matter.
         token_rows = token_rows * rng.uniform(0.05, 20.0, size=shape[:3] + (1,)).astype(np.float32)
-        quantized, scales = quantize_per_row(jnp.asarray(np.nan_to_num(token_rows)), jnp.dtype(kv_dtype))
-        # Unused slots: NaN values where the format has one (int8 has none: its extreme), NaN scales.
-        filler = jnp.asarray(np.nan if kv_dtype != "int8" else -128, quantized.dtype)
-        pages = jnp.where(jnp.asarray(used)[..., None, None], quantized, filler)
-        scales = jnp.where(jnp.asarray(used)[..., None], scales, jnp.nan)
-        kv_pages = QuantizedKVPages.from_values(pages, scales)
+        kv_pages = _quantized_pool(np.nan_to_num(token_rows), used, kv_dtype)
     else:
         kv_pages = jnp.asarray(values.reshape(num_pages, page_size, -1), jnp.dtype(kv_dtype))
     return AttentionCase(
@@ -140,6 +137,18 @@ def make_case(
         num_live_tokens=num_tokens,
         sm_scale=head_dim**-0.5,
     )
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _quantized_pool(token_rows: jax.Array, used: jax.Array, kv_dtype: str) -> QuantizedKVPages:
+    """8-bit pages of `token_rows` [N, P, 2K, D] with unused slots (used: bool[N, P]) poisoned, as one program:
+    op by op, each case's new shapes compiled a dozen small programs (10.8 s for the 17 CASES, against 2.5 s)."""
+    quantized, scales = quantize_per_row(token_rows, jnp.dtype(kv_dtype))
+    # Unused slots: NaN values where the format has one (int8 has none: its extreme), NaN scales.
+    filler = jnp.asarray(np.nan if kv_dtype != "int8" else -128, quantized.dtype)
+    pages = jnp.where(used[..., None, None], quantized, filler)
+    scales = jnp.where(used[..., None], scales, jnp.nan)
+    return QuantizedKVPages.from_values(pages, scales)
 
 
 def standard_case(seed, kv_dtype, kind, page_size, head_dim, group, num_kv_heads=2, **kwargs) -> AttentionCase:
