@@ -84,6 +84,7 @@ def _device_split(engine, loaded, rounds: int = 20) -> dict:
     # The batch is only read here (never run through Engine.step), so the scheduler needs no update.
     batch = engine.scheduler.schedule()
     step_batch, with_logprobs = engine.runner.step_batch(batch, engine.outputs.seed_of)
+    greedy_only = step_batch.greedy_only()  # the sampling variant the engine would run
     num_rows = step_batch.sampling.temperature.shape[-1]
     draft_indices = None if step_batch.drafts is None else step_batch.drafts.logits_indices
     sampling_batch = dataclasses.replace(step_batch, inputs=None)
@@ -130,7 +131,7 @@ def _device_split(engine, loaded, rounds: int = 20) -> dict:
         jax.clear_caches()
     logits_info = jax.tree.leaves(forwards["device_step"].out_info)[0]
     logits_shape = jax.ShapeDtypeStruct(logits_info.shape, logits_info.dtype)
-    sampling = sample_step.trace(logits_shape, sampling_batch, with_logprobs).lower().compile()
+    sampling = sample_step.trace(logits_shape, sampling_batch, with_logprobs, greedy_only).lower().compile()
 
     def run(forward):
         nonlocal caches
@@ -168,7 +169,7 @@ def _device_split(engine, loaded, rounds: int = 20) -> dict:
     split["lm_head_alone_ms"] = time_call(logits_fn, loaded.state, hidden)
     local_sampling = jax.tree.map(lambda leaf: leaf[0], step_batch.sampling)
     logits = logits_fn(loaded.state, hidden)
-    sample_fn = jax.jit(lambda logits, arrays: sample(logits, arrays, None)[0])
+    sample_fn = jax.jit(lambda logits, arrays: sample(logits, arrays, None, greedy_only=greedy_only)[0])
     split["sampling_alone_ms"] = time_call(sample_fn, logits, local_sampling)
     return split
 

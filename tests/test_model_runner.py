@@ -44,7 +44,7 @@ def test_a_batch_becomes_one_step_with_a_replica_axis_and_one_row_per_sequence(p
     assert step_batch.token_counts is None and step_batch.suppress is None  # compiled away
     sampled = runner.run(batch, lambda request_id: 0)
     assert sampled.tokens.shape == (2,)
-    assert runner.step_shapes == {(16, 2, False, False, False, 0)}  # no draft rows
+    assert runner.step_shapes == {(16, 2, False, False, False, True, 0)}  # all greedy, no draft rows
     # Greedy tokens are the model's own argmax after each prompt.
     for row, length in enumerate([5, 11]):
         logits = loaded.score(list(range(1, length + 1)))
@@ -73,19 +73,20 @@ def _warm_runner(loaded, **overrides) -> tuple[ModelRunner, KVPool]:
     runner = ModelRunner(
         loaded, pool, PreemptionPolicy("recompute", pool.bytes_per_page, 0), config, max_model_len=64, mesh=None
     )
-    assert runner.warm_up() == len(runner.step_shapes)  # one run per bucket
+    assert runner.warm_up() == len(runner.step_shapes)  # one run per program pair
     return runner, pool
 
 
-def _greedy_after_warm_up(runner: ModelRunner) -> dict[str, list[int]]:
-    """Prefills and decodes of three requests (4 new tokens each); every step must reuse a warmed-up program."""
+def _tokens_after_warm_up(runner: ModelRunner, temperature: float = 0.0) -> dict[str, list[int]]:
+    """Prefills and decodes of three requests (4 new tokens each, greedy or drawn at `temperature` with seed 0);
+    every step must reuse a warmed-up program."""
     before = num_step_compilations()
     scheduler = Scheduler(
         num_replicas=1, pages_per_replica=32, page_size=8, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64
     )
     for index, length in enumerate([3, 9, 20]):
         scheduler.add_request(
-            Request(f"r{index}", list(range(1, length + 1)), SamplingParams(temperature=0.0, max_tokens=4))
+            Request(f"r{index}", list(range(1, length + 1)), SamplingParams(temperature=temperature, max_tokens=4))
         )
     tokens = {f"r{index}": [] for index in range(3)}
     while scheduler.has_unfinished_requests():
@@ -108,26 +109,32 @@ def test_warm_up_compiles_every_plain_bucket_so_steps_compile_nothing(tiny_llama
     loaded = models.load(tiny_llama_checkpoint(), require_tokenizer=False)
     runner, pool = _warm_runner(loaded)
     assert runner.padding == StepPadding.for_platform("cpu") == StepPadding(min_seqs=1, min_tokens=1)
-    assert len(step_buckets(32, 4)) == len(runner.step_shapes)
+    # Every bucket's greedy step, and for each S bucket one step whose sampling draws.
+    greedy, drawing = ({s[:2] for s in runner.step_shapes if s[5] == g} for g in (True, False))
+    assert greedy == set(step_buckets(32, 4)) and len(greedy) == len(runner.step_shapes) - len(drawing)
+    assert sorted(s for _, s in drawing) == sorted({s for _, s in step_buckets(32, 4)})
     for layer in pool.kv_caches:
         assert float(jnp.max(jnp.abs(layer[1:]))) == 0.0  # only the null page was written
-    reference = _greedy_after_warm_up(runner)
+    reference = _tokens_after_warm_up(runner)
     assert all(len(tokens) == 4 for tokens in reference.values())
+    drawn = _tokens_after_warm_up(runner, temperature=5.0)  # the draws' sampling programs were warmed up too
+    assert all(len(tokens) == 4 for tokens in drawn.values()) and drawn != reference
     # A row floor (TPU's default is 8; here 3, rounded up to 4 = max_num_seqs): every step pads to S = 4 rows,
     # three programs cover every step, and the tokens are the unpadded runner's.
     assert StepPadding.for_platform("tpu") == StepPadding(min_seqs=8, min_tokens=1)
     floored, _ = _warm_runner(loaded, min_padded_seqs=3)
     assert step_buckets(32, 4, StepPadding(min_seqs=3)) == [(4, 4), (16, 4), (32, 4)]
-    assert sorted(s[:2] for s in floored.step_shapes) == [(4, 4), (16, 4), (32, 4)]
-    assert _greedy_after_warm_up(floored) == reference
+    assert sorted({s[:2] for s in floored.step_shapes}) == [(4, 4), (16, 4), (32, 4)]
+    assert _tokens_after_warm_up(floored) == reference
+    assert _tokens_after_warm_up(floored, temperature=5.0) == drawn
     assert {shape[1] for shape in floored.step_shapes} == {4}
     with pytest.raises(ValueError, match="min_padded_seqs must be a positive integer"):
         EngineConfig(min_padded_seqs=0)
     # A token floor of the whole budget: one T bucket, one program per row bucket, and still the same tokens.
     token_floored, _ = _warm_runner(loaded, min_padded_tokens=32)
     assert step_buckets(32, 4, StepPadding(min_tokens=32)) == [(32, 1), (32, 2), (32, 4)]
-    assert sorted(s[:2] for s in token_floored.step_shapes) == [(32, 1), (32, 2), (32, 4)]
-    assert _greedy_after_warm_up(token_floored) == reference
+    assert sorted({s[:2] for s in token_floored.step_shapes}) == [(32, 1), (32, 2), (32, 4)]
+    assert _tokens_after_warm_up(token_floored) == reference
     # Both floors: decodes of 4 rows pad to 8 tokens, prefills to 16 or more.
     assert step_buckets(32, 4, StepPadding(min_seqs=4, min_tokens=8)) == [(8, 4), (16, 4), (32, 4)]
     with pytest.raises(ValueError, match="min_padded_tokens must be a positive integer"):

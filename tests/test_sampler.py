@@ -1,5 +1,7 @@
 """The batched sampler: greedy exactness, seeded batch-invariant draws, filtering support and statistics."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -313,6 +315,27 @@ def test_jit_matches_eager():
     other = SamplingArrays.from_params([SamplingParams(seed=9, temperature=2.0)] * 4, positions=[0, 1, 2, 3])
     local_jit(logits, other, counts)
     assert len(traces) == 1
+
+
+def test_greedy_only_is_the_general_path_on_greedy_rows():
+    """sample(greedy_only=True), which compiles only the argmax, gives an all-greedy batch the general path's tokens
+    and log-probabilities, penalties and suppressed tokens included; all_greedy says when a batch qualifies."""
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(4, 64)).astype(np.float32))
+    counts = jnp.asarray(rng.integers(0, 3, size=(4, 64)).astype(np.int32))
+    suppress = jnp.zeros((4, 64), bool).at[:, jnp.argmax(logits, axis=-1)].set(True)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.3),
+        SamplingParams(temperature=0.0, presence_penalty=-0.7, seed=4),
+    ]
+    arrays = SamplingArrays.from_params(params, positions=[3, 4, 5], batch_size=4)
+    assert arrays.all_greedy()
+    general = sample(logits, arrays, counts, suppress=suppress)
+    greedy = jax.jit(functools.partial(sample, greedy_only=True))(logits, arrays, counts, suppress=suppress)
+    np.testing.assert_array_equal(np.asarray(greedy[0]), np.asarray(general[0]))
+    np.testing.assert_allclose(np.asarray(greedy[1]), np.asarray(general[1]), rtol=1e-6)
+    assert not SamplingArrays.from_params([*params, SamplingParams(temperature=0.5, seed=1)], [0] * 4).all_greedy()
 
 
 def test_top_logprobs():

@@ -393,7 +393,8 @@ def test_paxkv_serve_runs_and_stops_on_sigterm(chat_llama):
         assert process.wait(60) == -signal.SIGTERM
         stderr = process.stderr.read()
         assert f"http://127.0.0.1:{port}/v1" in stderr and "Finished server process" in stderr, stderr
-        assert "# warm-up: 1 step bucket compiled" in stderr  # (32, 4): every step pads to the 4 rows and 32 tokens
+        # (32, 4), every step padding to its 4 rows and 32 tokens: with greedy rows only, and with rows that draw.
+        assert "# warm-up: 2 step shapes compiled" in stderr
     finally:
         process.kill()
 

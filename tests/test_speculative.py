@@ -248,7 +248,7 @@ def test_greedy_output_is_unchanged_by_speculation(loaded, greedy_reference, pre
     # Rows and draft rows both pad to the floor of 16 (min_padded_seqs): (T, S, ..., R) with S 16, and R when any
     # at least 16 (a draft row per drafted token: up to 4 a row).
     shapes = engine.runner.step_shapes
-    assert {s[1] for s in shapes} == {16} and min(s[5] for s in shapes if s[5]) == 16
+    assert {s[1] for s in shapes} == {16} and min(s[-1] for s in shapes if s[-1]) == 16
 
 
 def test_a_draft_model_leaves_greedy_output_unchanged_through_preemption_by_swap(
@@ -300,7 +300,7 @@ def test_the_target_as_its_own_draft_has_every_sampled_draft_accepted(engine_lla
     _, engine = _generate(loaded, draft, sampled, num_prompts=6, min_padded_seqs=3)
     metrics = engine.metrics
     assert metrics.num_draft_tokens > 20 and metrics.num_accepted_draft_tokens == metrics.num_draft_tokens
-    padded_rows = {s[1] for s in engine.runner.step_shapes} | {s[5] for s in engine.runner.step_shapes if s[5]}
+    padded_rows = {s[1] for s in engine.runner.step_shapes} | {s[-1] for s in engine.runner.step_shapes if s[-1]}
     assert min(padded_rows) == 4 and all(n & (n - 1) == 0 for n in padded_rows), padded_rows
 
 

@@ -79,12 +79,12 @@ class Engine:
     @property
     def max_step_programs(self) -> int:
         """The most distinct step programs this engine can need: a forward per (T bucket, S bucket) and a sampling
-        per (S bucket, 8 optional parts), each times the draft-row buckets (and none) when it speculates, and a
-        draft model's program per (T, S)."""
+        per (S bucket, 16 variants: penalties, min_tokens, logprobs, all greedy), each times the draft-row buckets
+        (and none) when it speculates, and a draft model's program per (T, S)."""
         config = self.config
         num_seq_buckets = num_buckets(config.max_num_seqs)
         num_forwards = num_buckets(config.max_num_batched_tokens) * num_seq_buckets
-        programs = num_forwards + num_seq_buckets * 8
+        programs = num_forwards + num_seq_buckets * 16
         if config.speculative_config is not None:
             programs *= 1 + num_buckets(config.max_num_seqs * config.speculative_config.num_speculative_tokens)
         return programs + (num_forwards if self.runner.draft is not None else 0)
@@ -185,12 +185,12 @@ class Engine:
 
     def warm_up(self) -> tuple[int, float]:
         """Compile the step programs of every (T, S) bucket now, before requests arrive (a server does this at
-        start); (how many programs ran, seconds taken). With the persistent compilation cache, a later start
+        start); (how many step shapes ran, seconds taken). With the persistent compilation cache, a later start
         loads them instead."""
         start = time.monotonic()
-        num_programs = self.runner.warm_up()
+        num_shapes = self.runner.warm_up()
         self.metrics.num_compilations = self.num_compilations
-        return num_programs, time.monotonic() - start
+        return num_shapes, time.monotonic() - start
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""

@@ -85,9 +85,9 @@ def serve(usage_error) -> None:
     if config.salt_by_api_key and not config.api_keys:
         usage_error("--salt_by_api_key needs API keys (--api_key or $PAXKV_API_KEY)")
     if FLAGS.warmup:
-        num_programs, seconds = engine.warm_up()
-        buckets = f"{num_programs} step bucket" + ("" if num_programs == 1 else "s")
-        print(f"# warm-up: {buckets} compiled or loaded in {seconds:.1f} s", file=sys.stderr)
+        num_shapes, seconds = engine.warm_up()
+        shapes = f"{num_shapes} step shape" + ("" if num_shapes == 1 else "s")
+        print(f"# warm-up: {shapes} compiled or loaded in {seconds:.1f} s", file=sys.stderr)
     loop = EngineLoop(engine).start()
     app = build_app(loop, loaded.tokenizer, config)
 

@@ -126,9 +126,9 @@ class ModelRunner:
                 mesh=mesh,
             )
         self._graph = static_graph(loaded.graphdef)
-        # (T bucket, S bucket, penalties?, suppress?, logprobs?, R draft rows): each one a (forward, sampling) pair,
-        # the forward's program keyed by (T, S, R) and the sampling's by (S, R, penalties?, suppress?, logprobs?).
-        self.step_shapes: set[tuple[int, int, bool, bool, bool, int]] = set()
+        # (T bucket, S bucket, penalties?, suppress?, logprobs?, all greedy?, R draft rows): each one a (forward,
+        # sampling) pair, the forward's program keyed by (T, S, R) and the sampling's by the rest.
+        self.step_shapes: set[tuple[int, int, bool, bool, bool, bool, int]] = set()
         self._forward_shapes: set[tuple] = set()
         self._sampling_shapes: set[tuple] = set()
         self.last_step_compiled = False  # whether the last step's programs were new here (its time includes compiling)
@@ -166,16 +166,17 @@ class ModelRunner:
             batch, draft_layers = self.draft.fill(batch, self.draft_layers, seed_of)
             self.pool.kv_caches = self.target_layers + draft_layers
         step_batch, with_logprobs = self.step_batch(batch, seed_of)
+        greedy_only = step_batch.greedy_only()
         inputs = step_batch.inputs
         num_tokens, num_rows = inputs.tokens.shape[-1], inputs.logits_indices.shape[-1]
         num_draft_rows = 0 if step_batch.drafts is None else step_batch.drafts.tokens.shape[-1]
         shape = (num_tokens, num_rows, step_batch.token_counts is not None, step_batch.suppress is not None)
-        shape = (*shape, with_logprobs, num_draft_rows)
+        shape = (*shape, with_logprobs, greedy_only, num_draft_rows)
         self.last_step_compiled = self._record(shape)
         # Under the mesh, a Pallas kernel runs per model shard (models.sharding.attention_on_mesh).
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             sampled, target_layers = run_step(
-                self._graph, self.loaded.state, self.target_layers, step_batch, with_logprobs
+                self._graph, self.loaded.state, self.target_layers, step_batch, with_logprobs, greedy_only
             )
         self.pool.kv_caches = target_layers + self.draft_layers
         if batch.num_batched_tokens >= self.config.max_num_batched_tokens // 2:  # mostly prefill: a rate to plan by
@@ -185,14 +186,16 @@ class ModelRunner:
         return LiveRows(sampled, batch, num_rows, num_draft_rows)
 
     def warm_up(self) -> int:
-        """Compile every plain step program the budgets allow by running each (T, S) bucket once on padding alone
-        (which writes only the null page), so no request waits for a compile of those; returns how many ran.
+        """Compile every plain step program the budgets allow by running each (T, S) bucket on padding alone (which
+        writes only the null page), so no request waits for a compile of those; returns how many step shapes ran.
 
+        Each bucket runs its all-greedy sampling, and the first bucket of each S also the sampling that draws.
         Programs with penalties, min_tokens, logprobs or drafts still compile on first use (each sampling variant
         is a small program of its own).
         """
         num_replicas = self.pool.num_replicas
         buckets = step_buckets(self.config.max_num_batched_tokens, self.config.max_num_seqs, self.padding)
+        num_runs, rows_drawn = 0, set()
         for num_tokens, num_rows in buckets:
             step_batch = empty_step_batch(
                 num_replicas,
@@ -201,12 +204,17 @@ class ModelRunner:
                 pages_per_seq=self.pages_per_seq,
                 vocab_size=self.loaded.config.vocab_size,
             )
-            with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-                sampled, target_layers = run_step(self._graph, self.loaded.state, self.target_layers, step_batch)
-            self.pool.kv_caches = target_layers + self.draft_layers
-            jax.block_until_ready(sampled.tokens)
-            self._record((num_tokens, num_rows, False, False, False, 0))
-        return len(buckets)
+            for greedy_only in (True,) if num_rows in rows_drawn else (True, False):
+                with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+                    sampled, target_layers = run_step(
+                        self._graph, self.loaded.state, self.target_layers, step_batch, greedy_only=greedy_only
+                    )
+                self.pool.kv_caches = target_layers + self.draft_layers
+                jax.block_until_ready(sampled.tokens)
+                self._record((num_tokens, num_rows, False, False, False, greedy_only, 0))
+                num_runs += 1
+            rows_drawn.add(num_rows)
+        return num_runs
 
     @property
     def target_layers(self) -> list:

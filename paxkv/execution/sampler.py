@@ -32,6 +32,10 @@ class SamplingArrays:
         """B, the number of rows (padding included)."""
         return self.temperature.shape[0]
 
+    def all_greedy(self) -> bool:
+        """Whether every row (padding included, which is greedy) takes the argmax; on the host only."""
+        return bool(np.all(np.asarray(self.temperature) < GREEDY_TEMPERATURE_EPS))
+
     @classmethod
     def from_params(
         cls,
@@ -273,6 +277,7 @@ def sample(
     *,
     prompt_mask: jax.Array | None = None,
     suppress: jax.Array | None = None,
+    greedy_only: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row: penalties, then temperature, top-k, top-p, min-p, then a seeded draw.
 
@@ -286,6 +291,9 @@ def sample(
       token_counts: i32[B, V] counts of generated tokens, for the penalties; None skips them.
       prompt_mask: bool[B, V] prompt tokens, which the repetition penalty also counts as seen; None ignores them.
       suppress: bool[B, V] tokens that must not be produced (e.g. EOS before min_tokens); None for none.
+      greedy_only: the caller knows every row is greedy (static): the filters and draws are not even compiled.
+        Otherwise a batch whose rows all turn out greedy skips them at run time, but XLA:CPU still allocates
+        their buffers (SmolLM2's vocabulary at 32 greedy rows: 8.2 ms a call against 2.4 ms).
     Returns:
       (tokens i32[B], logprobs f32[B]): the token and its log-probability under the final distribution
       (after penalties, temperature and filtering). For greedy rows, where that distribution is a point mass,
@@ -299,6 +307,8 @@ def sample(
     greedy = arrays.temperature < GREEDY_TEMPERATURE_EPS  # bool[B]
     greedy_tokens = first_argmax(logits)  # i32[B]
     greedy_logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), greedy_tokens[:, None], axis=-1)[:, 0]
+    if greedy_only:
+        return greedy_tokens, greedy_logprobs
 
     def sampled() -> tuple[jax.Array, jax.Array]:
         kept = filtered_logits(logits, arrays)  # f32[B, V]

@@ -74,14 +74,23 @@ class StepBatch:
         """D."""
         return self.sampling.temperature.shape[0]
 
+    def greedy_only(self) -> bool:
+        """Whether every row and draft row of every replica is greedy (on the host only)."""
+        return self.sampling.all_greedy() and (self.drafts is None or self.drafts.sampling.all_greedy())
+
 
 def run_step(
-    graph: StaticGraph, state: nnx.State, kv_caches: list, batch: StepBatch, with_logprobs: bool = False
+    graph: StaticGraph,
+    state: nnx.State,
+    kv_caches: list,
+    batch: StepBatch,
+    with_logprobs: bool = False,
+    greedy_only: bool = False,
 ) -> tuple[SampledTokens, list]:  # every SampledTokens leaf [D, S + R, ...]
     """One engine step as two programs: forward_step writes K/V and computes the rows' logits, then sample_step
     samples them.
 
-    The forward compiles once per (T, S, R) shape and the sampling once per (S + R, optional parts), so a new
+    The forward compiles once per (T, S, R) shape and the sampling once per (S + R, variant), so a new
     sampling option (logprobs, penalties, min_tokens) costs a small program, not a new forward, and the
     sampling program is shared by every T bucket and every model with the same vocabulary.
 
@@ -90,10 +99,11 @@ def run_step(
       kv_caches: the page pools, donated to the forward.
       batch: the replicas' padded batches, sampling arrays and optional vocabulary arrays (None compiles them away).
       with_logprobs: also return log-probabilities, ranks and the MAX_LOGPROBS most likely tokens (static).
+      greedy_only: every row is greedy (static; batch.greedy_only()): the sampling compiles only the argmax.
     """
     draft_indices = None if batch.drafts is None else batch.drafts.logits_indices
     logits, kv_caches = forward_step(graph, state, kv_caches, batch.inputs, draft_indices)
-    sampled = sample_step(logits, dataclasses.replace(batch, inputs=None), with_logprobs)
+    sampled = sample_step(logits, dataclasses.replace(batch, inputs=None), with_logprobs, greedy_only)
     return sampled, kv_caches
 
 
@@ -147,11 +157,12 @@ def forward_step(
     return per_replica(replica_forward, num_replicas, (state,), (kv_caches, inputs, draft_indices))
 
 
-@functools.partial(jax.jit, static_argnums=2)
+@functools.partial(jax.jit, static_argnums=(2, 3))
 def sample_step(
     logits: jax.Array,  # f32[D, S + R, vocab]
     batch: StepBatch,  # its sampling arrays, vocabulary arrays and drafts (inputs None)
     with_logprobs: bool = False,
+    greedy_only: bool = False,
 ) -> SampledTokens:  # every leaf [D, S + R, ...] (num_accepted [D, S])
     """Sample one token per row of every replica, verify its drafts, and when asked, report log-probabilities.
 
@@ -160,11 +171,12 @@ def sample_step(
       batch: the step's batch without its inputs.
       with_logprobs: also return each sampled token's log-probability and rank, and the MAX_LOGPROBS most
         likely tokens of each row (static; zeros and empty arrays otherwise).
+      greedy_only: every row is greedy (static): only the argmax is compiled, not the filters and draws.
     """
 
     def replica_sample(logits, batch):
         local = jax.tree.map(lambda leaf: leaf[0], batch)  # this replica's [S, ...] arrays
-        sampled = _sample_rows(logits[0], local, with_logprobs)
+        sampled = _sample_rows(logits[0], local, with_logprobs, greedy_only)
         return jax.tree.map(lambda leaf: leaf[None], sampled)
 
     return per_replica(replica_sample, batch.num_replicas, (), (logits, batch))
@@ -177,7 +189,7 @@ def replicated(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, PartitionSpec())
 
 
-def _sample_rows(logits: jax.Array, batch: StepBatch, with_logprobs: bool) -> SampledTokens:
+def _sample_rows(logits: jax.Array, batch: StepBatch, with_logprobs: bool, greedy_only: bool) -> SampledTokens:
     """The body of sample_step for one replica's rows (logits f32[S + R, vocab], batch leaves [S, ...])."""
     drafts = batch.drafts
     num_seqs = batch.sampling.temperature.shape[0]
@@ -190,7 +202,9 @@ def _sample_rows(logits: jax.Array, batch: StepBatch, with_logprobs: bool) -> Sa
             None if a is None else jnp.pad(a, ((0, num_draft_rows), (0, 0))) for a in vocab_arrays
         ]  # [S + R, vocab]
     token_counts, prompt_mask, suppress = vocab_arrays
-    tokens, _ = sample(logits, sampling, token_counts, prompt_mask=prompt_mask, suppress=suppress)
+    tokens, _ = sample(
+        logits, sampling, token_counts, prompt_mask=prompt_mask, suppress=suppress, greedy_only=greedy_only
+    )
     # A row whose logits hold NaN or Inf has no token to sample: report NONFINITE_TOKEN, never argmax's 0.
     tokens = jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), tokens, NONFINITE_TOKEN)  # i32[S + R]
     if drafts is None:
