@@ -73,7 +73,7 @@ def _warm_runner(loaded, **overrides) -> tuple[ModelRunner, KVPool]:
     runner = ModelRunner(
         loaded, pool, PreemptionPolicy("recompute", pool.bytes_per_page, 0), config, max_model_len=64, mesh=None
     )
-    assert runner.warm_up() == len(runner.step_shapes)  # one run per program pair
+    assert runner.warm_up() == len(runner.step_shapes)  # one run per step shape
     return runner, pool
 
 

@@ -66,12 +66,12 @@ def hf_model(stock_reader):
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(2)
-    stock_path = os.path.realpath(stock_reader.data.filename)
+    stock_path, reader_class = os.path.realpath(stock_reader.data.filename), gguf.GGUFReader
 
-    def read(path, *args, **kwargs):
+    def read(path, *args, **kwargs):  # the class itself for any other file (gguf.GGUFReader is this, patched)
         if not args and not kwargs and os.path.realpath(path) == stock_path:
             return stock_reader
-        return gguf.GGUFReader(path, *args, **kwargs)
+        return reader_class(path, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gguf, "GGUFReader", read)
