@@ -12,7 +12,8 @@ per chip against the chip's HBM, and XLA's flop and byte counts. A program that 
 --model takes smollm2 (the embedded model's config), llama3-8b, a config.json, an HF folder or a .gguf.
 
 --kernels compiles one attention call per case of a matrix: Mosaic for TPU cases (each worker process
-compiles cases in turn; a case that aborts libtpu is reported and the rest go on in a new process), or
+compiles --group cases to a program, which pays the program's own compile once; a group that fails is compiled
+again case by case, and a case that aborts libtpu is reported and the rest go on in a new process), or
 pip triton plus ptxas for sm_90 (registers, spills, shared memory). `ci` is the representative subset the
 tests compile, `covering` meets every value of every axis, `full` is the whole product.
 
@@ -21,7 +22,6 @@ Writes --json when given, and prints markdown tables. Exits 1 if any case failed
 
 import argparse
 import dataclasses
-import itertools
 import json
 import math
 import os
@@ -37,172 +37,48 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+from kernel_matrix import KernelCase, case_inputs, case_tile, case_vmem_bytes, kernel_cases  # noqa: E402
 
-from pallas_kernels import AttentionMetadata, QuantizedKVPages, deviceless  # noqa: E402
-from pallas_kernels.quantization import scale_lanes  # noqa: E402
+from pallas_kernels import deviceless  # noqa: E402
 
-# Tokens and sequence rows of each batch kind; decode batches are decode-shaped (T <= S).
-BATCH_SHAPES = {"decode": (64, 64), "prefill": (512, 8), "mixed": (256, 32)}
-CONTEXT = 4096  # block-table width in tokens
-NUM_PAGES = 2048
-KV_DTYPES = ("bfloat16", "float32", "float8_e4m3fn", "int8")
 # Limits a GPU case must meet (the hardware-kernels issue): decode never spills; mixed and prefill spill at
 # most this many bytes per thread; shared memory within the target's.
 MAX_MIXED_SPILL_BYTES = 256
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelCase:
-    """One attention call to compile: which kernel, batch kind, page dtype and head geometry."""
-
-    kernel: str  # "tpu" or "gpu"
-    kind: str  # decode | prefill | mixed
-    kv_dtype: str
-    num_kv_heads: int
-    group: int  # query heads per KV head
-    head_dim: int
-    page_size: int
-
-    @property
-    def label(self) -> str:
-        return f"{self.kind} {self.kv_dtype} K={self.num_kv_heads} G={self.group} D={self.head_dim} P={self.page_size}"
-
-
-def kernel_cases(kernel: str, which: str) -> list[KernelCase]:
-    """The matrix of cases for one kernel: `ci`, `covering` or `full`."""
-    if kernel == "gpu":
-        return _gpu_cases(which)
-    axes = dict(
-        kind=("decode", "prefill", "mixed"),
-        kv_dtype=KV_DTYPES,
-        num_kv_heads=(1, 2, 3, 8),
-        group=tuple(range(1, 9)),
-        head_dim=(64, 128, 256),
-        page_size=(16, 32, 64, 128),
-    )
-    if which == "full":
-        return [KernelCase("tpu", *values) for values in itertools.product(*axes.values())]
-    # Every (page size, head_dim, dtype) triple once, the other axes turning through their values, so every
-    # value of every axis meets every value of those three.
-    cases = []
-    for index, (page_size, head_dim, kv_dtype) in enumerate(
-        itertools.product(axes["page_size"], axes["head_dim"], axes["kv_dtype"])
-    ):
-        kind = axes["kind"][index % 3]
-        heads = axes["num_kv_heads"][index % 4]
-        group = axes["group"][(index * 3) % 8]
-        cases.append(KernelCase("tpu", kind, kv_dtype, heads, group, head_dim, page_size))
-    if which == "covering":
-        return cases
-    # ci: the models' own shapes in every dtype and batch kind, plus the covering set's odd corners.
-    ci = [KernelCase("tpu", kind, dtype, 8, 4, 128, 16) for kind in axes["kind"] for dtype in KV_DTYPES]  # Llama-3-8B
-    ci += [KernelCase("tpu", kind, dtype, 3, 3, 64, 16) for kind in axes["kind"] for dtype in KV_DTYPES]  # SmolLM2
-    ci += [
-        KernelCase("tpu", "mixed", "int8", 1, 8, 256, 128),
-        KernelCase("tpu", "decode", "float8_e4m3fn", 2, 5, 256, 32),
-        KernelCase("tpu", "prefill", "bfloat16", 1, 7, 128, 64),
-        KernelCase("tpu", "mixed", "float32", 2, 6, 64, 128),
-        KernelCase("tpu", "decode", "float8_e5m2", 8, 1, 64, 64),
-        KernelCase("tpu", "prefill", "int8", 3, 2, 128, 32),
-        # Many KV heads (MHA, Llama-2-7B's 32): programs of 8 heads, lane-aligned slices of each page.
-        KernelCase("tpu", "decode", "int8", 16, 1, 128, 16),
-        KernelCase("tpu", "prefill", "bfloat16", 32, 1, 128, 16),
-    ]
-    return ci
-
-
-def _gpu_cases(which: str) -> list[KernelCase]:
-    kinds, dtypes = ("decode", "mixed", "prefill"), ("bfloat16", "float8_e4m3fn", "int8")
-    shapes = [(8, 4, 128, 16), (3, 3, 64, 16)]  # Llama-3-8B, SmolLM2
-    if which in ("covering", "full"):
-        shapes += [(1, 8, 128, 32), (2, 1, 64, 64), (8, 8, 256, 16), (4, 2, 128, 128)]
-    if which == "full":
-        # f32 queries make Triton's dot exact f32 FMA, which spills at these tiles (BUILD.md): not a GPU target.
-        dtypes += ("float8_e5m2",)
-    return [KernelCase("gpu", kind, dtype, *shape) for kind in kinds for dtype in dtypes for shape in shapes]
-
-
-def case_inputs(case: KernelCase, sharding=None):
-    """ShapeDtypeStructs of one call: q, the pool (plain or 8-bit with scales) and the batch metadata."""
-
-    def abstract(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-    num_tokens, num_seqs = BATCH_SHAPES[case.kind]
-    width = 2 * case.num_kv_heads * case.head_dim
-    q_dtype = jnp.float32 if case.kv_dtype == "float32" else jnp.bfloat16
-    q = abstract((num_tokens, case.num_kv_heads * case.group, case.head_dim), q_dtype)
-    if case.kv_dtype in ("bfloat16", "float32"):
-        pool = abstract((NUM_PAGES, case.page_size, width), jnp.dtype(case.kv_dtype))
-    else:
-        lanes = scale_lanes(case.num_kv_heads, case.page_size)
-        pool = QuantizedKVPages(
-            abstract((NUM_PAGES, case.page_size, width), jnp.uint8),
-            abstract((NUM_PAGES, 1, lanes), jnp.uint32),
-            case.kv_dtype,
-            case.head_dim,
-        )
-    pages_per_seq = CONTEXT // case.page_size
-    metadata = AttentionMetadata(
-        slots=abstract((num_tokens,), jnp.int32),
-        block_tables=abstract((num_seqs, pages_per_seq), jnp.int32),
-        cu_q_lens=abstract((num_seqs + 1,), jnp.int32),
-        kv_lens=abstract((num_seqs,), jnp.int32),
-        num_seqs=abstract((1,), jnp.int32),
-    )
-    return q, pool, metadata
-
-
-def _tile(case: KernelCase, q, pool, metadata) -> str:
-    """The tiling the kernel chooses for the case, as text."""
-    from pallas_kernels.paged_attention_gpu import gpu_layout
-    from pallas_kernels.ragged_paged_attention_tpu import tpu_layout
-
-    quantized = isinstance(pool, QuantizedKVPages)
-    values = pool.pages if quantized else pool
-    options = dict(sm_scale=0.1, sliding_window=None, soft_cap=None, queries_per_block=None, pages_per_block=None)
-    if case.kernel == "tpu":
-        layout = tpu_layout(q, values, metadata, quantized=quantized, **options)
-    else:
-        layout = gpu_layout(q, values, metadata, **options)
-    heads = layout.heads_per_block if case.kernel == "tpu" else 1
-    return (
-        f"{layout.rows}x{layout.block_tokens} ({layout.queries_per_block} tok x {layout.group} heads; "
-        f"{heads} KV heads/program)"
-    )
-
-
-def _vmem(q, pool, metadata) -> int:
-    """The TPU kernel's VMEM buffers for the case, in bytes (its own estimate; it asks for twice that, >= 32 MiB)."""
-    from pallas_kernels.ragged_paged_attention_tpu import _vmem_estimate, tpu_layout
-
-    quantized = isinstance(pool, QuantizedKVPages)
-    values = pool.pages if quantized else pool
-    options = dict(sm_scale=0.1, sliding_window=None, soft_cap=None, queries_per_block=None, pages_per_block=None)
-    layout = tpu_layout(q, values, metadata, quantized=quantized, **options)
-    scale_window = pool.scales.shape[-1] // layout.num_head_blocks if quantized else 0
-    return _vmem_estimate(layout, q.dtype, values.dtype, scale_window)
-
-
-def compile_tpu_case(case: KernelCase, mesh) -> dict:
-    """Compile one TPU case with Mosaic; the result row."""
+def compile_tpu_cases(cases: list[KernelCase], mesh) -> list[dict]:
+    """Compile TPU cases with Mosaic as one program (each kernel compiled in full, the program's own compile paid
+    once); one row each. If the program fails, each case is compiled alone, so every error names its case."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     from pallas_kernels import ragged_paged_attention_tpu
 
-    inputs = case_inputs(case, NamedSharding(mesh, PartitionSpec()))
+    inputs = [case_inputs(case, NamedSharding(mesh, PartitionSpec())) for case in cases]
+    rows = [
+        dict(case=dataclasses.asdict(case), label=case.label, tile=case_tile(case, *args), vmem=case_vmem_bytes(*args))
+        for case, args in zip(cases, inputs, strict=True)
+    ]
+
+    def program(*all_inputs):
+        return tuple(
+            ragged_paged_attention_tpu(q, kv, m, sm_scale=case.head_dim**-0.5)
+            for case, (q, kv, m) in zip(cases, all_inputs, strict=True)
+        )
+
     start = time.perf_counter()
-    row = dict(case=dataclasses.asdict(case), label=case.label, tile=_tile(case, *inputs), vmem=_vmem(*inputs))
     try:
         with jax.set_mesh(mesh):
-            fn = jax.jit(lambda q, kv, m: ragged_paged_attention_tpu(q, kv, m, sm_scale=case.head_dim**-0.5))
-            fn.trace(*inputs).lower().compile()
-        row.update(status="ok")
+            jax.jit(program).trace(*inputs).lower().compile()
     except Exception as e:  # the compiler's message is the finding
-        row.update(status="error", message=" ".join(str(e).split())[:400])
-    row["seconds"] = round(time.perf_counter() - start, 2)
-    return row
+        if len(cases) > 1:
+            return [row for case in cases for row in compile_tpu_cases([case], mesh)]
+        rows[0].update(status="error", message=" ".join(str(e).split())[:400])
+    else:
+        for row in rows:
+            row.update(status="ok")
+    for row in rows:  # a group's time, shared evenly
+        row.update(seconds=round((time.perf_counter() - start) / len(cases), 2), compiled_with=len(cases))
+    return rows
 
 
 def compile_gpu_case(case: KernelCase, gpu: deviceless.Target) -> dict:
@@ -211,7 +87,7 @@ def compile_gpu_case(case: KernelCase, gpu: deviceless.Target) -> dict:
 
     inputs = case_inputs(case)
     start = time.perf_counter()
-    row = dict(case=dataclasses.asdict(case), label=case.label, tile=_tile(case, *inputs))
+    row = dict(case=dataclasses.asdict(case), label=case.label, tile=case_tile(case, *inputs))
     try:
         fn = jax.jit(lambda q, kv, m: paged_attention_gpu(q, kv, m, sm_scale=case.head_dim**-0.5))
         (kernel,) = deviceless.triton_kernels(fn.trace(*inputs).lower(lowering_platforms=("cuda",)))
@@ -231,26 +107,27 @@ def compile_gpu_case(case: KernelCase, gpu: deviceless.Target) -> dict:
 
 
 def worker(target_name: str) -> None:
-    """Compile the TPU cases read from stdin (one JSON object a line), printing one result line each."""
+    """Compile groups of TPU cases read from stdin (a JSON list of cases a line), printing a list of rows each."""
     tpu = deviceless.target(target_name)
     mesh = jax.sharding.Mesh(deviceless.tpu_devices(tpu)[:1], ("model",))
     for line in sys.stdin:
-        case = KernelCase(**json.loads(line))
-        print(json.dumps(compile_tpu_case(case, mesh)), flush=True)
+        cases = [KernelCase(**case) for case in json.loads(line)]
+        print(json.dumps(compile_tpu_cases(cases, mesh)), flush=True)
 
 
-def run_tpu_cases(cases: list[KernelCase], target_name: str, jobs: int) -> list[dict]:
-    """Compile TPU cases in `jobs` worker processes; a case that kills its worker is reported and skipped."""
+def run_tpu_cases(cases: list[KernelCase], target_name: str, jobs: int, group: int) -> list[dict]:
+    """Compile TPU cases, `group` to a program, in `jobs` worker processes. A group that kills its worker is
+    compiled again case by case in a new one; a case that kills it alone is reported and skipped."""
     pending: queue.Queue = queue.Queue()
-    for index, case in enumerate(cases):
-        pending.put((index, case))
+    for start in range(0, len(cases), group):
+        pending.put(list(enumerate(cases))[start : start + group])
     results: dict[int, dict] = {}
     lock = threading.Lock()
 
     def drive():
         while True:
             try:
-                index, case = pending.get_nowait()
+                current = pending.get_nowait()
             except queue.Empty:
                 return
             process = subprocess.Popen(
@@ -262,24 +139,28 @@ def run_tpu_cases(cases: list[KernelCase], target_name: str, jobs: int) -> list[
             )
             stderr_lines: list[str] = []
             threading.Thread(target=stderr_lines.extend, args=(process.stderr,), daemon=True).start()
-            current = (index, case)
             while current is not None:
-                process.stdin.write(json.dumps(dataclasses.asdict(current[1])) + "\n")
+                process.stdin.write(json.dumps([dataclasses.asdict(case) for _, case in current]) + "\n")
                 process.stdin.flush()
                 line = process.stdout.readline()
                 if not line:  # the compiler aborted the process
                     process.wait()
+                    if len(current) > 1:
+                        for one in current:
+                            pending.put([one])
+                        break
+                    index, case = current[0]
                     fatal = [s.strip() for s in stderr_lines if "Check failed" in s or "F1" in s[:3]]
                     with lock:
-                        results[current[0]] = dict(
-                            case=dataclasses.asdict(current[1]),
-                            label=current[1].label,
+                        results[index] = dict(
+                            case=dataclasses.asdict(case),
+                            label=case.label,
                             status="aborted",
                             message=(fatal or [s.strip() for s in stderr_lines[-1:]] or ["no output"])[0][:400],
                         )
                     break
                 with lock:
-                    results[current[0]] = json.loads(line)
+                    results.update((index, row) for (index, _), row in zip(current, json.loads(line), strict=True))
                 try:
                     current = pending.get_nowait()
                 except queue.Empty:
@@ -407,7 +288,7 @@ def kernel_table(rows: list[dict], kernel: str) -> str:
     """Markdown table of kernel cases."""
     if kernel == "tpu":
         lines = [
-            "| case | tile (rows x KV tokens) | VMEM buffers KiB | status | seconds | message |",
+            "| case | tile (rows x KV tokens) | VMEM buffers KiB | status | seconds (group's share) | message |",
             "|---|---|---|---|---|---|",
         ]
         for r in rows:
@@ -439,6 +320,7 @@ def main() -> int:
     parser.add_argument("--mesh", default="data=1,model=1")
     parser.add_argument("--kernels", choices=("ci", "covering", "full"))
     parser.add_argument("--jobs", type=int, default=2, help="TPU kernel cases compiled in parallel processes")
+    parser.add_argument("--group", type=int, default=8, help="TPU kernel cases compiled as one program")
     parser.add_argument("--kv_cache_memory", default="4GiB", help="the whole pool, over every chip's shard")
     parser.add_argument("--kv_cache_dtype", default="auto")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -469,7 +351,7 @@ def main() -> int:
         print(f"compiling {len(cases)} {kernel} kernel cases ({args.kernels}) for {args.target}", flush=True)
         start = time.perf_counter()
         if kernel == "tpu":
-            rows = run_tpu_cases(cases, args.target, args.jobs)
+            rows = run_tpu_cases(cases, args.target, args.jobs, args.group)
         else:
             rows = [compile_gpu_case(case, chip) for case in cases]
         result.update(kernels=args.kernels, rows=rows, seconds=round(time.perf_counter() - start, 1))

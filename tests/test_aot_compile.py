@@ -2,7 +2,8 @@
 libtpu, and the start-up check that the largest step fits in device memory.
 
 These run the real compilers (the `test` extra pins libtpu and triton); a missing compiler fails, it does not
-skip. Each TPU case compiles in a worker process (scripts/aot_compile.py): some bad layouts abort libtpu.
+skip. TPU cases compile in a worker process (scripts/aot_compile.py), 8 to a program: some bad layouts abort
+libtpu.
 """
 
 import json
@@ -14,6 +15,7 @@ import jax
 import pytest
 
 import models
+import pallas_kernels
 from paxkv.config import EngineConfig
 from paxkv.core.engine import Engine
 from paxkv.execution.aot import AbstractEngine, compile_step
@@ -44,6 +46,7 @@ def test_tpu_kernel_compiles_with_mosaic(tmp_path, target):
     result = _aot(tmp_path, f"--target={target}", "--kernels=ci", "--jobs=1")
     rows = result["rows"]
     assert all(row["status"] == "ok" for row in rows), [r for r in rows if r["status"] != "ok"]
+    assert {row["compiled_with"] for row in rows} == {8}  # 8 to a program (v5e: 27.1 to 18.6 s alone)
     cases = [row["case"] for row in rows]
     for axis, values in (
         ("page_size", {16, 32, 64, 128}),
@@ -54,6 +57,31 @@ def test_tpu_kernel_compiles_with_mosaic(tmp_path, target):
     ):
         assert values <= {case[axis] for case in cases}, axis
     assert {case["group"] for case in cases} >= {1, 2, 3, 4, 5, 6, 7, 8}
+
+
+def test_a_group_that_fails_is_compiled_case_by_case_so_the_error_names_its_case(monkeypatch):
+    """The script compiles TPU cases 8 to a program; when that program fails, each case compiles alone, and only
+    the one that fails (here: made to raise when its queries are f32) reports an error."""
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    import aot_compile
+
+    from pallas_kernels import deviceless
+
+    real = pallas_kernels.ragged_paged_attention_tpu
+
+    def fails_on_f32_queries(q, kv, metadata, **options):
+        if q.dtype == jax.numpy.float32:
+            raise ValueError("injected: no f32 queries")
+        return real(q, kv, metadata, **options)
+
+    monkeypatch.setattr(pallas_kernels, "ragged_paged_attention_tpu", fails_on_f32_queries)
+    mesh = jax.sharding.Mesh(deviceless.tpu_devices(deviceless.target("tpu-v5e"))[:1], ("model",))
+    cases = aot_compile.kernel_cases("tpu", "ci")[:3]  # Llama-3-8B decode: bfloat16, float32, float8_e4m3fn
+    rows = aot_compile.compile_tpu_cases(cases, mesh)
+    assert [row["case"]["kv_dtype"] for row in rows] == ["bfloat16", "float32", "float8_e4m3fn"]
+    assert [row["status"] for row in rows] == ["ok", "error", "ok"]
+    assert "injected: no f32 queries" in rows[1]["message"]
+    assert all(row["compiled_with"] == 1 for row in rows)
 
 
 def test_gpu_kernel_compiles_for_sm90_within_its_limits(tmp_path):

@@ -413,3 +413,4 @@ def test_bench_serving_measures_paxkv_serve_under_poisson_load(tiny_model_with_t
         assert 0 < summary["ttft_p50_s"] <= summary["ttft_p99_s"] and 0 < summary["tpot_p50_s"]
         assert summary["output_tokens_per_s"] > 0 and 0 <= summary["slo_share"] <= 1
     assert "| 8.0 | paxkv | 6/6 |" in (tmp_path / "serving.md").read_text() in run.stdout
+    assert "Uvicorn running on http://127.0.0.1:18000" in (tmp_path / "serving.paxkv.log").read_text()
