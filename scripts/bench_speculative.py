@@ -35,6 +35,7 @@ flags.DEFINE_integer("warmups", 2, "Untimed runs per configuration first, which 
 flags.DEFINE_integer("passage_chars", 4000, "Characters per passage of the copy workload (about 1k tokens).")
 flags.DEFINE_integer("min_padded_seqs", None, "The row floor (EngineConfig.min_padded_seqs; default: the engine's).")
 flags.DEFINE_integer("min_padded_tokens", 1, "The token floor (EngineConfig.min_padded_tokens).")
+flags.DEFINE_string("kv_cache_memory", "1GiB", "Each configuration's target KV pool (a draft model's follows it).")
 flags.DEFINE_string("out", "bench_results/speculative", "Output path prefix for .json, .md and .png.")
 flags.DEFINE_string(
     "draft_model",
@@ -135,6 +136,7 @@ def main(argv):
 
     from paxkv import LLM
     from paxkv.entrypoints.batch_runner import encode_chat
+    from paxkv.entrypoints.config_flags import parse_memory_size
 
     batches = [int(b) for b in FLAGS.batches.split(",")]
     configs = dict(CONFIGS)
@@ -154,6 +156,7 @@ def main(argv):
             max_num_seqs=max(batches),
             min_padded_seqs=FLAGS.min_padded_seqs,
             min_padded_tokens=FLAGS.min_padded_tokens,
+            kv_cache_memory_bytes=parse_memory_size(FLAGS.kv_cache_memory),
             speculative_config=speculative,
         )
     tokenizer = engines["plain"].loaded.tokenizer

@@ -238,6 +238,8 @@ def test_bench_speculative_compares_ngram_and_a_draft_model_with_plain_decoding(
     argv += ["--passage_chars=40", f"--draft_model={tiny_model_with_tokenizer}"]  # the tiny model's context: 128
     # Every step padded to 16 rows and the whole token budget: 4 step programs, not 11 (19.4 to 14.1 s alone).
     argv += ["--min_padded_seqs=16", "--min_padded_tokens=512"]
+    # Pools of 16 MiB, not 1 GiB: allocating 7 of those (draft pools included) took 17 s of CPU in a full run.
+    argv += ["--kv_cache_memory=16MiB"]
     _run([os.path.join(SCRIPTS, "bench_speculative.py"), f"--model={tiny_model_with_tokenizer}", *argv])
     result = json.loads((tmp_path / "speculative.json").read_text())
     rows = {(r["workload"], r["temperature"], r["batch"], r["config"]): r for r in result["rows"]}
@@ -403,6 +405,7 @@ def test_bench_serving_measures_paxkv_serve_under_poisson_load(tiny_model_with_t
         "--max_num_seqs=4",
         "--max_num_batched_tokens=32",
         "--warmup_requests=2",
+        "--paxkv_args=--kv_cache_memory=16MiB",  # not the 1 GiB default: 1.2 s to allocate in a full run
         f"--out={out}",
     )
     result = json.loads((tmp_path / "serving.json").read_text())
