@@ -77,7 +77,6 @@ NOT_EQUAL_PRECISION = ("paxkv_bf16", "llamacpp")
 GGUF_MODELS = ("smollm2",)  # the models llama.cpp can run (it reads GGUF files only)
 PROMPT_SEED = 0
 PROMPT_ID_LOW = 100  # prompts draw ids from [100, vocab): SmolLM2 keeps its special tokens among the low ids
-SETTLE_S = 0.5  # pause before each call, so the previous system's spinning threads are idle
 READY_TIMEOUT_S = 1800
 
 
@@ -248,9 +247,12 @@ class _ModelBench:
             for batch in _parse_ints(self.flags.batches):
                 if self.workers:
                     self._run_batch(batch)
-        finally:
-            for system in list(self.workers):
-                self.workers.pop(system).close()
+        finally:  # every worker asked first, so that they exit together
+            workers = [self.workers.pop(system) for system in list(self.workers)]
+            for worker in workers:
+                worker.ask_to_quit()
+            for worker in workers:
+                worker.close()
 
     def _wait_ready(self, system: str) -> None:
         """Wait for one worker's ready message and record its version, parameter count and vocabulary size."""
@@ -282,7 +284,7 @@ class _ModelBench:
         """One generate call on one system with this call's prompts; None when the worker failed."""
         new_tokens = self.flags.new_tokens
         prompts = _prompts(self.model_index, batch, call_index, self.flags.prompt_len, self.vocab_size)
-        time.sleep(SETTLE_S)
+        time.sleep(self.flags.settle_s)
         try:
             reply = self.workers[system].request({"cmd": "run", "prompts": prompts, "new_tokens": new_tokens})
         except WorkerError as error:
@@ -363,6 +365,7 @@ def _define_flags():
     flags.DEFINE_integer("prompt_len", 128, "Prompt length in tokens (random ids).")
     flags.DEFINE_integer("new_tokens", 128, "Tokens generated per request (EOS ignored).")
     flags.DEFINE_integer("repeats", 2, "Timed calls per (system, model, batch), after one warm-up; the best counts.")
+    flags.DEFINE_float("settle_s", 0.5, "Pause before each call, so that the previous system's spinning threads idle.")
     flags.DEFINE_string(
         "systems", None, "Comma-separated systems; default paxkv,transformers, plus vllm when --vllm_python is given."
     )

@@ -79,13 +79,17 @@ class Worker:
             raise WorkerError(f"{self.name}: exited with code {self.proc.wait()}") from None
         return self.receive(timeout_s)
 
-    def close(self) -> None:
-        """Ask the worker to quit; end its process group if it has not within a minute."""
+    def ask_to_quit(self) -> None:
+        """Send quit and close the worker's input (again: nothing)."""
         try:
             self.proc.stdin.write(b'{"cmd": "quit"}\n')
             self.proc.stdin.close()
         except (BrokenPipeError, ValueError):
             pass
+
+    def close(self) -> None:
+        """Ask the worker to quit; end its process group if it has not within a minute."""
+        self.ask_to_quit()
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:

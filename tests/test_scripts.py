@@ -188,6 +188,7 @@ def test_bench_throughput_paxkv_against_transformers_and_a_baseline(tmp_path):
         "--new_tokens=8",
         "--repeats=1",
         "--threads=1",
+        "--settle_s=0",
         "--paxkv_kv_cache_mib=8",
         "--max_num_batched_tokens=64",
         f"--baseline={ROOT}",
