@@ -119,8 +119,9 @@ def run_tpu_cases(cases: list[KernelCase], target_name: str, jobs: int, group: i
     """Compile TPU cases, `group` to a program, in `jobs` worker processes. A group that kills its worker is
     compiled again case by case in a new one; a case that kills it alone is reported and skipped."""
     pending: queue.Queue = queue.Queue()
-    for start in range(0, len(cases), group):
-        pending.put(list(enumerate(cases))[start : start + group])
+    numbered = list(enumerate(cases))
+    for start in range(0, len(numbered), group):
+        pending.put(numbered[start : start + group])
     results: dict[int, dict] = {}
     lock = threading.Lock()
 
@@ -344,6 +345,8 @@ def main() -> int:
         parser.error("give one of --model (the engine step) or --kernels (attention kernel cases)")
     if args.model is not None and chip.platform != "tpu":
         parser.error("--model compiles the whole step, which needs a TPU target; use --kernels for gpu-sm90")
+    if args.group < 1:
+        parser.error(f"--group={args.group}: compile at least 1 case to a program")
     result = dict(target=args.target, jax=jax.__version__)
     if args.kernels is not None:
         kernel = "tpu" if chip.platform == "tpu" else "gpu"
