@@ -80,7 +80,7 @@ class Worker:
         return self.receive(timeout_s)
 
     def ask_to_quit(self) -> None:
-        """Send quit and close the worker's input (again: nothing)."""
+        """Send quit and close the worker's input; a second call does nothing."""
         try:
             self.proc.stdin.write(b'{"cmd": "quit"}\n')
             self.proc.stdin.close()

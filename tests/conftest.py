@@ -21,8 +21,8 @@ def _write_bytecode_of_what_loads() -> None:
     least 58 more: the command line, the scripts and their workers) would compile each module it imports from
     source: 12 s to import jax, flax, torch, transformers, orbax and paxkv, against 5.5 s from bytecode. The
     test install does not compile every installed package ahead (uv's --compile-bytecode: 23.5 s of a 33 s
-    install); the run writes what it uses the first time it is used (7 s for that set), and the processes after
-    read it.
+    install); the run writes what it uses the first time it is used (about 8 s more, once, for that set), and the
+    processes after read it.
     """
     sys.dont_write_bytecode = False
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
