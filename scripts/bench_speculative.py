@@ -36,6 +36,19 @@ flags.DEFINE_integer("passage_chars", 4000, "Characters per passage of the copy 
 flags.DEFINE_integer("min_padded_seqs", None, "The row floor (EngineConfig.min_padded_seqs; default: the engine's).")
 flags.DEFINE_integer("min_padded_tokens", 1, "The token floor (EngineConfig.min_padded_tokens).")
 flags.DEFINE_string("kv_cache_memory", "1GiB", "Each configuration's target KV pool (a draft model's follows it).")
+
+
+def _readable_memory_size(text: str) -> bool:
+    """Whether --kv_cache_memory reads as a size (absl reports the flag and the message below when not)."""
+    from paxkv.entrypoints.config_flags import parse_memory_size
+
+    try:
+        return parse_memory_size(text) > 0
+    except ValueError:
+        return False
+
+
+flags.register_validator("kv_cache_memory", _readable_memory_size, "write a positive size, e.g. 16MiB or 1GiB")
 flags.DEFINE_string("out", "bench_results/speculative", "Output path prefix for .json, .md and .png.")
 flags.DEFINE_string(
     "draft_model",

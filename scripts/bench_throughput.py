@@ -365,7 +365,9 @@ def _define_flags():
     flags.DEFINE_integer("prompt_len", 128, "Prompt length in tokens (random ids).")
     flags.DEFINE_integer("new_tokens", 128, "Tokens generated per request (EOS ignored).")
     flags.DEFINE_integer("repeats", 2, "Timed calls per (system, model, batch), after one warm-up; the best counts.")
-    flags.DEFINE_float("settle_s", 0.5, "Pause before each call, so that the previous system's spinning threads idle.")
+    flags.DEFINE_float(
+        "settle_s", 0.5, "Pause before each call, so that the previous system's spinning threads idle.", lower_bound=0
+    )
     flags.DEFINE_string(
         "systems", None, "Comma-separated systems; default paxkv,transformers, plus vllm when --vllm_python is given."
     )

@@ -254,6 +254,9 @@ def test_bench_speculative_compares_ngram_and_a_draft_model_with_plain_decoding(
     assert "| copy | 0.8 | 2 | ngram_always |" in (tmp_path / "speculative.md").read_text()
     assert 0 < result["proposal_cost"]["per_step_seconds"] < result["proposal_cost"]["first_seconds"]
     assert (tmp_path / "speculative.png").exists() == HAS_MATPLOTLIB
+    bad = _run([os.path.join(SCRIPTS, "bench_speculative.py"), "--kv_cache_memory=lots"], check=False)
+    assert bad.returncode != 0 and "--kv_cache_memory=lots: write a positive size" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 def test_eval_kv_quality_compares_8bit_kv_with_bf16(tiny_model_with_tokenizer, tmp_path):
