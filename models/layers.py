@@ -7,13 +7,13 @@ from flax import nnx
 from models.config import ModelConfig
 from models.rope import apply_rope, rope_inverse_frequencies
 from models.sharding import attention_on_mesh
-from pallas_kernels import AttentionMetadata
+from pallas_kernels import AttentionMetadata, native_matmul_reads, small_matmul_cpu
 
 # Letters in einsum strings:
 #   T tokens, D hidden size, N query heads, K kv heads, H head_dim, F mlp width.
 
 
-def project(spec: str, x: jax.Array, weight: jax.Array) -> jax.Array:
+def project(spec: str, x: jax.Array, weight: jax.Array, *, native: bool = False) -> jax.Array:
     """einsum(spec, x, weight) with the weight read in its storage dtype, never widened into a copy.
 
     Same dtypes (f32 on CPU, bf16 on TPU and GPU) multiply as they are. Narrower weights (bf16 under f32
@@ -23,11 +23,18 @@ def project(spec: str, x: jax.Array, weight: jax.Array) -> jax.Array:
     since XLA:CPU runs a one-row bf16 matmul about 10x slower than a two-row one (measured on 30 SmolLM2-sized
     weights).
 
+    With `native` (the model runs the native CPU kernels), products of a few rows that XLA:CPU reads slowly go
+    to pallas_kernels' small-row matmul instead, with the same numerics: bf16 weights at 1 to 8 rows, f32 ones at
+    2 to 8 (XLA reads f32 fastest at one row), unless the weight may be partitioned over a mesh axis here.
+
     Args:
       spec: the einsum, x's letters first (its first axis is the tokens).
       x: activations [T, ...] in the compute dtype.
       weight: a parameter's value in its storage dtype.
+      native: whether the native CPU kernels may run (models.load resolved attention_impl to cpu_native).
     """
+    if native and _native_project_takes(spec, x, weight):
+        return _native_project(spec, x, weight)
     if weight.dtype == x.dtype or jnp.dtype(weight.dtype).itemsize >= jnp.dtype(x.dtype).itemsize:
         return jnp.einsum(spec, x, weight.astype(x.dtype))
     rows = x.shape[0]
@@ -36,6 +43,42 @@ def project(spec: str, x: jax.Array, weight: jax.Array) -> jax.Array:
         narrow = jnp.concatenate([narrow, jnp.zeros_like(narrow)])
     out = jnp.einsum(spec, narrow, weight, preferred_element_type=jnp.float32)
     return out[:rows].astype(x.dtype)
+
+
+def _native_layout(spec: str) -> str | None:
+    """ "KN" when spec contracts x[T, K] with the weight's first axis, "NK" with its last of two, else None."""
+    operands, _ = spec.split("->")
+    x_letters, weight_letters = operands.split(",")
+    if len(x_letters) != 2:
+        return None
+    contracted = x_letters[1]
+    if weight_letters[0] == contracted:
+        return "KN"
+    if len(weight_letters) == 2 and weight_letters[1] == contracted:
+        return "NK"
+    return None
+
+
+def _native_project_takes(spec: str, x: jax.Array, weight: jax.Array) -> bool:
+    """Whether the small-row kernel runs this product: its layouts and dtypes, a row count where it beats XLA, and
+    no automatic mesh axis over more than one device (the weight could be split there; shard_map'd steps are
+    manual)."""
+    rows = x.shape[0]
+    fewest = 1 if weight.dtype == jnp.bfloat16 else 2
+    if x.dtype != jnp.float32 or not fewest <= rows or not native_matmul_reads(rows, weight.dtype):
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    if any(mesh.shape[axis] > 1 for axis in mesh.axis_names if axis not in mesh.manual_axes):
+        return False
+    return _native_layout(spec) is not None
+
+
+def _native_project(spec: str, x: jax.Array, weight: jax.Array) -> jax.Array:
+    """project() through pallas_kernels.small_matmul_cpu, the weight viewed as a matrix."""
+    if _native_layout(spec) == "NK":
+        return small_matmul_cpu(x, weight, contraction_last=True)
+    out = small_matmul_cpu(x, weight.reshape(weight.shape[0], -1))  # [T, N...]
+    return out.reshape(x.shape[0], *weight.shape[1:])
 
 
 def init_param(rngs: nnx.Rngs | None, shape, dtype, logical_axes, scale: float = 0.02) -> nnx.Param:
@@ -64,16 +107,18 @@ class RMSNorm(nnx.Module):
 class GatedMLP(nnx.Module):
     """down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig, *, param_dtype, rngs: nnx.Rngs | None):
+    def __init__(self, config: ModelConfig, *, param_dtype, native_matmul: bool = False, rngs: nnx.Rngs | None):
         d, f = config.hidden_size, config.intermediate_size
+        self.native_matmul = native_matmul
         self.gate = init_param(rngs, (d, f), param_dtype, ("embed", "mlp"))
         self.up = init_param(rngs, (d, f), param_dtype, ("embed", "mlp"))
         self.down = init_param(rngs, (f, d), param_dtype, ("mlp", "embed"))
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, D]
-        gate = project("TD,DF->TF", x, self.gate[...])
-        up = project("TD,DF->TF", x, self.up[...])
-        return project("TF,FD->TD", jax.nn.silu(gate) * up, self.down[...])
+        native = self.native_matmul
+        gate = project("TD,DF->TF", x, self.gate[...], native=native)
+        up = project("TD,DF->TF", x, self.up[...], native=native)
+        return project("TF,FD->TD", jax.nn.silu(gate) * up, self.down[...], native=native)
 
 
 class PagedAttention(nnx.Module):
@@ -84,6 +129,7 @@ class PagedAttention(nnx.Module):
         self.head_dim = h
         self.sliding_window = config.sliding_window
         self.attention_impl = attention_impl
+        self.native_matmul = attention_impl == "cpu_native"  # the native CPU kernels run here: small-row matmuls too
         self.rope_theta = config.rope_theta
         self.rope_scaling = config.rope_scaling
         self.rope_freq_factors = config.rope_freq_factors
@@ -112,9 +158,10 @@ class PagedAttention(nnx.Module):
         metadata: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:
         dtype = x.dtype
-        q = project("TD,DNH->TNH", x, self.q_proj[...])
-        k = project("TD,DKH->TKH", x, self.k_proj[...])
-        v = project("TD,DKH->TKH", x, self.v_proj[...])
+        native = self.native_matmul
+        q = project("TD,DNH->TNH", x, self.q_proj[...], native=native)
+        k = project("TD,DKH->TKH", x, self.k_proj[...], native=native)
+        v = project("TD,DKH->TKH", x, self.v_proj[...], native=native)
         if self.q_bias is not None:
             q = q + self.q_bias[...].astype(dtype)
             k = k + self.k_bias[...].astype(dtype)
@@ -140,7 +187,7 @@ class PagedAttention(nnx.Module):
         # As [T, N * H] @ [N * H, D]: one plain matmul over the weight's own layout (the 3-index einsum let XLA
         # pick a transposed copy of the weight, made again every step).
         o_proj = self.o_proj[...].reshape(num_heads * head_dim, -1)
-        out = project("TI,ID->TD", out.reshape(num_tokens, num_heads * head_dim), o_proj)
+        out = project("TI,ID->TD", out.reshape(num_tokens, num_heads * head_dim), o_proj, native=native)
         if self.o_bias is not None:
             out = out + self.o_bias[...].astype(dtype)
         return out, kv_pages

@@ -17,7 +17,7 @@ class DecoderLayer(nnx.Module):
         self.input_norm = RMSNorm(config.hidden_size, **norm)
         self.attention = PagedAttention(config, param_dtype=param_dtype, attention_impl=attention_impl, rngs=rngs)
         self.post_attention_norm = RMSNorm(config.hidden_size, **norm)
-        self.mlp = GatedMLP(config, param_dtype=param_dtype, rngs=rngs)
+        self.mlp = GatedMLP(config, param_dtype=param_dtype, native_matmul=attention_impl == "cpu_native", rngs=rngs)
 
     def __call__(
         self,
@@ -56,6 +56,7 @@ class Llama(nnx.Module):
         """
         self.config = config
         self.compute_dtype = compute_dtype
+        self.native_matmul = attention_impl == "cpu_native"  # small-row matmuls by the native CPU kernel too
         self.embed = init_param(rngs, (config.vocab_size, config.hidden_size), param_dtype, ("vocab", "embed"))
         self.layers = nnx.List(
             [
@@ -87,7 +88,7 @@ class Llama(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:  # [T, D] -> f32[T, vocab]
         """Project hidden states onto the vocabulary."""
         if self.lm_head is None:
-            logits = project("TD,VD->TV", hidden, self.embed[...])
+            logits = project("TD,VD->TV", hidden, self.embed[...], native=self.native_matmul)
         else:
-            logits = project("TD,DV->TV", hidden, self.lm_head[...])
+            logits = project("TD,DV->TV", hidden, self.lm_head[...], native=self.native_matmul)
         return logits.astype(jnp.float32)

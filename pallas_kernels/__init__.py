@@ -1,5 +1,11 @@
-"""Paged-attention kernels and their pure-jnp references; depends on jax only."""
+"""Paged-attention kernels, the CPU's small-row matmul, and their pure-jnp references; depends on jax only."""
 
+from pallas_kernels.cpu_small_matmul import (
+    MAX_NATIVE_ROWS,
+    native_matmul_reads,
+    small_matmul_cpu,
+    small_matmul_reference,
+)
 from pallas_kernels.kv_pages import (
     allocate_pages,
     heads_split,
@@ -32,12 +38,14 @@ from pallas_kernels.reference import ragged_paged_attention_reference
 __all__ = [
     "ATTENTION_IMPLS",
     "AttentionMetadata",
+    "MAX_NATIVE_ROWS",
     "QuantizedKVPages",
     "RESOLVED_IMPLS",
     "allocate_pages",
     "empty_quantized_pages",
     "heads_split",
     "is_quantized",
+    "native_matmul_reads",
     "num_kv_heads_of",
     "page_bytes",
     "page_view",
@@ -50,6 +58,8 @@ __all__ = [
     "ragged_paged_attention_reference",
     "ragged_paged_attention_tpu",
     "rotation_matrix",
+    "small_matmul_cpu",
+    "small_matmul_reference",
     "resolve_attention_impl",
     "write_kv",
 ]

@@ -55,6 +55,7 @@ inline float LoadValue(const uint16_t* p) {
   return value;
 }
 
+#include "cpu_native_parallel.h"          // ParallelFor
 #include "cpu_paged_attention_vectors.h"  // Vec, Exp, LoadValues, HorizontalSum
 
 template <typename T>
@@ -221,38 +222,6 @@ std::vector<Run> RowRuns(const int32_t* rows, int64_t num_tokens, int64_t max_to
     }
   }
   return runs;
-}
-
-// Runs fn(item) for item in [0, count) over the pool's threads and this one; returns when every item is done.
-// The calling thread works too and waits only for items other threads claimed, never for a task to start (a
-// task queued behind busy threads finds nothing left and exits; the state it touches is shared, not on this
-// stack), so it cannot deadlock when the pool is busy.
-struct ParallelState {
-  explicit ParallelState(int64_t count) : count(count) {}
-  const int64_t count;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> finished{0};
-  std::mutex mutex;
-  std::condition_variable all_finished;
-};
-
-template <typename F>
-void ParallelFor(ffi::ThreadPool& pool, int64_t count, F& fn) {
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count) - 1;
-  auto state = std::make_shared<ParallelState>(count);
-  auto drain = [state, fn_ptr = &fn] {
-    for (int64_t item = state->next.fetch_add(1); item < state->count; item = state->next.fetch_add(1)) {
-      (*fn_ptr)(item);
-      if (state->finished.fetch_add(1) + 1 == state->count) {
-        std::lock_guard<std::mutex> lock(state->mutex);
-        state->all_finished.notify_all();
-      }
-    }
-  };
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([drain] { drain(); });
-  drain();
-  std::unique_lock<std::mutex> lock(state->mutex);
-  state->all_finished.wait(lock, [&] { return state->finished.load() == state->count; });
 }
 
 template <typename T>

@@ -49,7 +49,8 @@ SmolLM2), so it is the user's alternative on a CPU, not an equal-precision peer;
 Llama is skipped, and `skipped` says so), and its completions are text, so its tokens are counted, not compared.
 
 --baseline names another checkout of paxkv (an earlier commit, say): its system `paxkv_baseline` runs this
-checkout's worker with that checkout first on PYTHONPATH, so both load `paxkv` from their own tree. Every reply
+checkout's worker with that checkout first on PYTHONPATH, so both load `paxkv` from their own tree
+(`paxkv_baseline_bf16`: the same with bf16 weights). Every reply
 carries a digest of all its generated tokens; `tokens_identical_to_paxkv` says, per model, batch and system,
 whether it generated exactly paxkv's tokens for every prompt of the first timed call.
 
@@ -71,9 +72,9 @@ from throughput_process import Worker, WorkerError
 from throughput_report import MATMUL_SIZE, READ_BYTES, add_derived, markdown, plot  # scripts/ is on sys.path
 
 MODELS = ("smollm2", "random_llama")
-SYSTEMS = ("paxkv", "paxkv_bf16", "paxkv_baseline", "transformers", "vllm", "llamacpp")
+SYSTEMS = ("paxkv", "paxkv_bf16", "paxkv_baseline", "paxkv_baseline_bf16", "transformers", "vllm", "llamacpp")
 # Systems whose tokens are not compared with paxkv's: other weights (bf16 rounding, llama.cpp's Q4_1).
-NOT_EQUAL_PRECISION = ("paxkv_bf16", "llamacpp")
+NOT_EQUAL_PRECISION = ("paxkv_bf16", "paxkv_baseline_bf16", "llamacpp")
 GGUF_MODELS = ("smollm2",)  # the models llama.cpp can run (it reads GGUF files only)
 PROMPT_SEED = 0
 PROMPT_ID_LOW = 100  # prompts draw ids from [100, vocab): SmolLM2 keeps its special tokens among the low ids
@@ -148,7 +149,7 @@ def _worker_spec(system: str, model: str, sources: dict, flag_values) -> dict:
         max_num_seqs=max(_parse_ints(flag_values.batches)),
         max_num_batched_tokens=flag_values.max_num_batched_tokens,
         kv_cache_mib=flag_values.paxkv_kv_cache_mib,
-        weights_dtype="bfloat16" if system == "paxkv_bf16" else "float32",
+        weights_dtype="bfloat16" if system.endswith("_bf16") else "float32",
         tokens_per_request=flag_values.prompt_len + flag_values.new_tokens + 16,
     )
     if model == "smollm2":
@@ -166,7 +167,7 @@ def _worker_env(system: str, threads: int, baseline: str | None) -> dict:
     vllm its CPU settings from PEERS.md (the caller's env wins)."""
     env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")
-    if system == "paxkv_baseline":
+    if system.startswith("paxkv_baseline"):
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(baseline), env.get("PYTHONPATH")) if p)
     if system == "vllm":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -397,9 +398,11 @@ def main(argv):
         raise ValueError("--systems includes vllm: pass --vllm_python, the interpreter of an env with vllm-cpu")
     if "llamacpp" in systems and not flag_values.llamacpp_python:
         raise ValueError("--systems includes llamacpp: pass --llamacpp_python, an env's interpreter with xllamacpp")
-    if flag_values.baseline and "paxkv_baseline" not in systems:
+    if flag_values.baseline and not any(s.startswith("paxkv_baseline") for s in systems):
         systems.append("paxkv_baseline")
-    if "paxkv_baseline" in systems and not os.path.isdir(os.path.join(flag_values.baseline or "", "paxkv")):
+    if any(s.startswith("paxkv_baseline") for s in systems) and not os.path.isdir(
+        os.path.join(flag_values.baseline or "", "paxkv")
+    ):
         raise ValueError("--systems includes paxkv_baseline: pass --baseline, a paxkv checkout (holding paxkv/)")
     batches = _parse_ints(flag_values.batches)
     if not batches or min(batches) < 1 or flag_values.repeats < 1 or flag_values.new_tokens < 1:

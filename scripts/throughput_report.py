@@ -4,7 +4,10 @@ from throughput_worker import FIRST_TOKENS
 
 MATMUL_SIZE = 2048  # the ceiling's jnp.dot is MATMUL_SIZE x MATMUL_SIZE by MATMUL_SIZE x MATMUL_SIZE
 READ_BYTES = 512 << 20  # the read bandwidth's jitted sum reads this many bytes of f32
-WEIGHT_BYTES = {"paxkv_bf16": 2}  # bytes per weight of each system; 4 (f32) unless named; llama.cpp's are its own
+WEIGHT_BYTES = {
+    "paxkv_bf16": 2,
+    "paxkv_baseline_bf16": 2,
+}  # bytes per weight of each system; 4 (f32) unless named; llama.cpp's are its own
 
 
 def work_per_token(params: int, shape: dict | None) -> tuple[int, int]:
@@ -21,7 +24,7 @@ def roofline_shares(row: dict, params: int | None, kv_bytes_per_token: int | Non
     """The row's prefill and decode time at this run's ceilings over its measured time (see bench_throughput)."""
     if not params or row["system"] == "llamacpp":
         return {}
-    bf16 = row["system"] == "paxkv_bf16"
+    bf16 = row["system"].endswith("_bf16")
     ceiling = (result.get("roofline_gflops_bf16") if bf16 else None) or result["roofline_gflops"]
     ceiling *= 1e9  # FLOP/s
     prompt_weights, generated_weights = work_per_token(params, result.get("model_shape", {}).get(row["model"]))

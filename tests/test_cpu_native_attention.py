@@ -10,7 +10,7 @@ import pytest
 from kernel_cases import CASES, make_case, relative_error, standard_case
 
 from pallas_kernels import cpu_paged_attention as native
-from pallas_kernels import ragged_paged_attention_reference, resolve_attention_impl
+from pallas_kernels import native_library, ragged_paged_attention_reference, resolve_attention_impl
 
 # The kernel and the reference read the same stored values and both accumulate in f32; only the order of the
 # sums differs.
@@ -35,7 +35,7 @@ def _check(case, **options):
 @pytest.fixture(autouse=True, scope="module")
 def _kernel_builds():
     """The suite's machines have a compiler: the kernel must build there, not skip."""
-    assert native.native_kernel_error() is None, native.native_kernel_error()
+    assert native_library.native_kernel_error() is None, native_library.native_kernel_error()
 
 
 # The plain-pool kernel cases (every batch kind, page size, head_dim and GQA ratio among them), and one 8-bit
@@ -174,10 +174,10 @@ def test_auto_resolves_to_the_native_kernel_on_cpu():
 
 def test_without_a_compiler_auto_keeps_the_reference_and_cpu_native_says_why(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv(native.CACHE_ENV_VAR, str(tmp_path / "cache"))
-    native._load.cache_clear()
+    monkeypatch.setenv(native_library.CACHE_ENV_VAR, str(tmp_path / "cache"))
+    native_library.load.cache_clear()
     try:
-        assert "building the native CPU attention kernel failed" in native.native_kernel_error()
+        assert "building the native CPU kernels failed" in native_library.native_kernel_error()
         assert resolve_attention_impl("auto", backend="cpu") == "xla"
         assert "without the native CPU kernel" in caplog.text
         case = standard_case(0, "float32", "decode", 8, 64, 1)
@@ -185,36 +185,46 @@ def test_without_a_compiler_auto_keeps_the_reference_and_cpu_native_says_why(mon
             jax.jit(lambda q: native.ragged_paged_attention_cpu(q, case.kv_pages, case.metadata, sm_scale=1.0))(case.q)
     finally:
         monkeypatch.undo()
-        native._load.cache_clear()  # the next caller finds the real one again
-    assert native.native_kernel_error() is None
+        native_library.load.cache_clear()  # the next caller finds the real one again
+    assert native_library.native_kernel_error() is None
 
 
 def test_the_library_is_built_once_and_reused(monkeypatch, tmp_path):
-    """A fresh cache folder gets one library; a second process-level load finds it instead of compiling."""
-    monkeypatch.setenv(native.CACHE_ENV_VAR, str(tmp_path))
-    native._load.cache_clear()
+    """A fresh cache folder gets one library; a second process-level load finds it instead of compiling. (A one-line
+    source stands in for the kernels, whose compile takes seconds; the process registered the real ones first.)"""
+    assert native_library.native_kernel_error() is None  # the kernels are registered: a later load only opens files
+    source = tmp_path / "stand_in.cc"
+    source.write_text('extern "C" int paxkv_stand_in() { return 1; }\n')
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(native_library.CACHE_ENV_VAR, str(cache))
+    monkeypatch.setattr(native_library, "SOURCES", (str(source),))
+    monkeypatch.setattr(native_library, "HEADERS", ())
+    native_library.load.cache_clear()
     try:
-        assert native.native_kernel_error() is None
-        (library,) = list(tmp_path.iterdir())
+        assert native_library.native_kernel_error() is None
+        (library,) = list(cache.iterdir())
         built = library.stat().st_mtime_ns
-        native._load.cache_clear()
-        assert native.native_kernel_error() is None and library.stat().st_mtime_ns == built
+        native_library.load.cache_clear()
+        assert native_library.native_kernel_error() is None and library.stat().st_mtime_ns == built
+        assert list(cache.iterdir()) == [library]
     finally:
         monkeypatch.undo()
-        native._load.cache_clear()
-    assert jnp.dtype(jnp.bfloat16) in native._TARGETS
+        native_library.load.cache_clear()
+    assert jnp.dtype(jnp.bfloat16) in native_library.ATTENTION_TARGETS
 
 
-def test_an_edited_header_builds_a_new_library(monkeypatch, tmp_path):
-    """The headers the source includes are part of the library's cache key: editing one never loads a stale build."""
+def test_an_edited_source_or_header_builds_a_new_library(monkeypatch, tmp_path):
+    """Every source and the headers they include are part of the library's cache key: editing one never loads a
+    stale build."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    for index, header in enumerate(native.HEADERS):
-        edited = tmp_path / os.path.basename(header)
-        edited.write_text(open(header).read() + "// edited\n")
-        unedited = native._library_path(compiler)
-        headers = list(native.HEADERS)
-        headers[index] = str(edited)
-        with monkeypatch.context() as patch:
-            patch.setattr(native, "HEADERS", tuple(headers))
-            assert native._library_path(compiler) != unedited
-        assert native._library_path(compiler) == unedited
+    for group in ("SOURCES", "HEADERS"):
+        for index, path in enumerate(getattr(native_library, group)):
+            edited = tmp_path / os.path.basename(path)
+            edited.write_text(open(path).read() + "// edited\n")
+            unedited = native_library.library_path(compiler)
+            paths = list(getattr(native_library, group))
+            paths[index] = str(edited)
+            with monkeypatch.context() as patch:
+                patch.setattr(native_library, group, tuple(paths))
+                assert native_library.library_path(compiler) != unedited, path
+            assert native_library.library_path(compiler) == unedited

@@ -1,0 +1,223 @@
+// A few activation rows times a weight matrix on CPU, as an XLA FFI custom call (pallas_kernels/cpu_small_matmul.py).
+//
+// At one to eight rows (a batch-1 decode, a token and its drafts, a small batch) a matmul is bound by reading its
+// weights, and XLA:CPU reads them slowly there: bf16 weights at about 10 GB/s at any row count (it pads one row to
+// two), f32 ones at about 29 GB/s for one row but 11-16 GB/s for 2-8 rows. This kernel streams the weights once,
+// widening bf16 to f32 in registers (the high half of an f32) and accumulating in f32.
+//
+// Two weight layouts:
+// - "KN", w[K, N] (contraction first: every projection of paxkv's models): K is split into bands of rows, one band
+//   a work item, so each item reads one contiguous block of w; kDepthStep rows' vectors are widened once and added
+//   into every x row's sums, which stay in the core's cache; the items' sums are added in item order at the end;
+// - "NK", w[N, K] (contraction last: the tied embedding as the lm_head): 64 output rows are one item; each weight
+//   row is read once for up to 4 x rows, as dot products across the vector lanes.
+// The split depends on the shapes and the thread count only, so a row's result is the same bit for bit whatever
+// other rows are in the batch.
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#include "cpu_native_parallel.h"  // ParallelFor
+
+// The machine's own vector width (16 f32 lanes with AVX-512, else 8): the accumulators below are sized to fit the
+// register file (32 vector registers with AVX-512, 16 with AVX2), which wider GCC vectors split in two would not.
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
+typedef float Vec __attribute__((vector_size(kLanes * 4)));
+typedef int32_t IntVec __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t HalfVec __attribute__((vector_size(kLanes * 2)));
+
+// Broadcasting and widening bf16 by intrinsics where the machine has them: GCC's generic spellings compile to an
+// extra add before each broadcast and to two half-width widenings and an insert per vector.
+#if defined(__AVX512F__)
+inline Vec Splat(float x) { return (Vec)_mm512_set1_ps(x); }
+inline Vec Load(const uint16_t* p) {  // bf16 bits widened: the high half of an f32
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (Vec)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+#elif defined(__AVX2__)
+inline Vec Splat(float x) { return (Vec)_mm256_set1_ps(x); }
+inline Vec Load(const uint16_t* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (Vec)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+#else
+inline Vec Splat(float x) { return Vec{} + x; }
+inline Vec Load(const uint16_t* p) {
+  HalfVec half;
+  __builtin_memcpy(&half, p, sizeof(half));
+  const IntVec bits = __builtin_convertvector(half, IntVec) << 16;
+  Vec value;
+  __builtin_memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+#endif
+inline Vec Load(const float* p) {
+  Vec v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void Store(float* p, Vec v) { __builtin_memcpy(p, &v, sizeof(v)); }
+inline float LoadScalar(const float* p) { return *p; }
+inline float LoadScalar(const uint16_t* p) {
+  uint32_t bits = static_cast<uint32_t>(*p) << 16;
+  float value;
+  __builtin_memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+inline float Sum(Vec v) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < kLanes; ++i) sum += v[i];
+  return sum;
+}
+
+constexpr int64_t kDepthStep = 4;        // KN: weight rows whose vectors are widened once and used by every x row
+constexpr int64_t kItemsPerThread = 2;     // KN: bands of w's rows per thread
+constexpr int64_t kNkRowsPerItem = 64;   // NK: output rows per work item
+
+// KN, w[K, N]: partial[t, :] = x[t, k0 : k1] @ w[k0 : k1, :], walking the item's rows of w (one contiguous block)
+// kDepthStep rows at a time, each step's vectors widened once and added into every x row's sums.
+template <typename W>
+void KnRows(const float* x, const W* w, float* partial, int64_t t_size, int64_t k_size, int64_t n_size, int64_t k0,
+            int64_t k1) {
+  const int64_t vector_end = n_size / kLanes * kLanes;
+  std::fill(partial, partial + t_size * n_size, 0.0f);
+  int64_t k = k0;
+  for (; k + kDepthStep <= k1; k += kDepthStep) {
+    const W* rows = w + k * n_size;
+    for (int64_t n = 0; n < vector_end; n += kLanes) {
+      Vec weights[kDepthStep];
+      for (int64_t d = 0; d < kDepthStep; ++d) weights[d] = Load(rows + d * n_size + n);
+      for (int64_t t = 0; t < t_size; ++t) {
+        const float* xt = x + t * k_size + k;
+        Vec acc = Load(partial + t * n_size + n);
+        for (int64_t d = 0; d < kDepthStep; ++d) acc += Splat(xt[d]) * weights[d];
+        Store(partial + t * n_size + n, acc);
+      }
+    }
+    for (int64_t n = vector_end; n < n_size; ++n) {
+      for (int64_t t = 0; t < t_size; ++t) {
+        float sum = partial[t * n_size + n];
+        for (int64_t d = 0; d < kDepthStep; ++d) sum += x[t * k_size + k + d] * LoadScalar(rows + d * n_size + n);
+        partial[t * n_size + n] = sum;
+      }
+    }
+  }
+  for (; k < k1; ++k) {  // the item's last rows, one at a time
+    for (int64_t t = 0; t < t_size; ++t) {
+      const float xk = x[t * k_size + k];
+      for (int64_t n = 0; n < n_size; ++n) partial[t * n_size + n] += xk * LoadScalar(w + k * n_size + n);
+    }
+  }
+}
+
+// Split over K: each item reads one contiguous band of w's rows into sums of its own, which are added in item
+// order at the end. The split depends on K and the thread count only, never on T.
+template <typename W>
+void MatmulKn(ffi::ThreadPool& pool, const float* x, const W* w, float* out, int64_t t_size, int64_t k_size,
+              int64_t n_size) {
+  const int64_t target_items = kItemsPerThread * std::max<int64_t>(1, pool.num_threads());
+  const int64_t band = std::max<int64_t>(kDepthStep, (k_size / target_items + kDepthStep - 1) / kDepthStep * kDepthStep);
+  const int64_t items = (k_size + band - 1) / band;
+  std::vector<float> partials(items * t_size * n_size);
+  auto item = [&](int64_t i) {
+    KnRows(x, w, partials.data() + i * t_size * n_size, t_size, k_size, n_size, i * band,
+           std::min(k_size, (i + 1) * band));
+  };
+  ParallelFor(pool, items, item);
+  const int64_t size = t_size * n_size;
+  std::copy(partials.begin(), partials.begin() + size, out);
+  for (int64_t i = 1; i < items; ++i) {
+    const float* part = partials.data() + i * size;
+    for (int64_t j = 0; j < size; ++j) out[j] += part[j];
+  }
+}
+
+// NK, w[N, K]: out[t, n] = x[t] . w[n] for n in [n0, n1), each weight row read once for every x row.
+template <typename W, int64_t kRows>
+void NkRowsFor(const float* x, const W* w, float* out, int64_t k_size, int64_t n_size, int64_t t0, int64_t n0,
+               int64_t n1) {
+  const int64_t vector_end = k_size / kLanes * kLanes;
+  for (int64_t n = n0; n < n1; ++n) {
+    const W* weights = w + n * k_size;
+    Vec acc[kRows] = {};
+    for (int64_t k = 0; k < vector_end; k += kLanes) {
+      const Vec wv = Load(weights + k);
+      for (int64_t r = 0; r < kRows; ++r) acc[r] += Load(x + (t0 + r) * k_size + k) * wv;
+    }
+    for (int64_t r = 0; r < kRows; ++r) {
+      float sum = Sum(acc[r]);
+      for (int64_t k = vector_end; k < k_size; ++k) sum += x[(t0 + r) * k_size + k] * LoadScalar(weights + k);
+      out[(t0 + r) * n_size + n] = sum;
+    }
+  }
+}
+
+template <typename W>
+void MatmulNk(ffi::ThreadPool& pool, const float* x, const W* w, float* out, int64_t t_size, int64_t k_size,
+              int64_t n_size) {
+  const int64_t items = (n_size + kNkRowsPerItem - 1) / kNkRowsPerItem;
+  auto item = [&](int64_t i) {
+    const int64_t n0 = i * kNkRowsPerItem, n1 = std::min(n_size, n0 + kNkRowsPerItem);
+    int64_t t0 = 0;
+    for (; t0 + 4 <= t_size; t0 += 4) NkRowsFor<W, 4>(x, w, out, k_size, n_size, t0, n0, n1);
+    for (; t0 < t_size; ++t0) NkRowsFor<W, 1>(x, w, out, k_size, n_size, t0, n0, n1);
+  };
+  ParallelFor(pool, items, item);
+}
+
+template <typename W>
+ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, bool contraction_last,
+                       ffi::ResultBuffer<ffi::F32> out) {
+  auto x_dims = x.dimensions();
+  auto w_dims = w.dimensions();
+  if (x_dims.size() != 2 || w_dims.size() != 2) return ffi::Error::InvalidArgument("expected x[T, K] and a 2-D w");
+  const int64_t t_size = x_dims[0], k_size = x_dims[1];
+  const int64_t n_size = contraction_last ? w_dims[0] : w_dims[1];
+  if ((contraction_last ? w_dims[1] : w_dims[0]) != k_size) {
+    return ffi::Error::InvalidArgument("the weight's contraction dimension does not match x's");
+  }
+  const W* w_data = reinterpret_cast<const W*>(w.untyped_data());
+  if (contraction_last) {
+    MatmulNk(pool, x.typed_data(), w_data, out->typed_data(), t_size, k_size, n_size);
+  } else {
+    MatmulKn(pool, x.typed_data(), w_data, out->typed_data(), t_size, k_size, n_size);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuSmallMatmulF32, SmallMatmul<float>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x: [T, K]
+                                  .Arg<ffi::AnyBuffer>()         // w: f32[K, N], or [N, K] if contraction_last
+                                  .Attr<bool>("contraction_last")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out: [T, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuSmallMatmulBF16, SmallMatmul<uint16_t>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x: [T, K]
+                                  .Arg<ffi::AnyBuffer>()         // w: bf16[K, N], or [N, K] if contraction_last
+                                  .Attr<bool>("contraction_last")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out: [T, N]

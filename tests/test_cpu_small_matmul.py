@@ -1,0 +1,130 @@
+"""The native small-row CPU matmul (pallas_kernels/cpu_small_matmul.cc) against exact sums, and models' use of it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.layers import project
+from pallas_kernels import MAX_NATIVE_ROWS, small_matmul_cpu, small_matmul_reference
+from pallas_kernels.native_library import native_kernel_error
+
+pytestmark = pytest.mark.skipif(native_kernel_error() is not None, reason=f"no native kernels: {native_kernel_error()}")
+
+# Shapes: SmolLM2's (576 -> 192, 1536 -> 576), ones that leave vector and K-step tails, and tiny ones.
+SHAPES = [(576, 192), (1536, 576), (37, 100), (16, 17), (3, 5), (64, 200)]
+
+
+def _case(seed, rows, depth, columns, dtype, contraction_last):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, depth)).astype(np.float32)
+    weight = rng.standard_normal((columns, depth) if contraction_last else (depth, columns)).astype(np.float32)
+    return jnp.asarray(x), jnp.asarray(weight, dtype)
+
+
+def _exact(x, weight, contraction_last):
+    """x (rounded to the weight's dtype, as the kernel's contract says) @ weight in float64, and the float32
+    summation error bound depth * eps * (|x| @ |weight|) that any order of f32 sums stays within."""
+    rounded = np.asarray(x.astype(weight.dtype).astype(jnp.float32), np.float64)
+    wide = np.asarray(weight.astype(jnp.float32), np.float64)
+    wide = wide.T if contraction_last else wide
+    bound = x.shape[1] * np.finfo(np.float32).eps * (np.abs(rounded) @ np.abs(wide))
+    return rounded @ wide, bound
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("contraction_last", [False, True], ids=["KN", "NK"])
+def test_every_row_count_and_shape_is_within_f32_summation_error_of_the_exact_product(dtype, contraction_last):
+    for index, (depth, columns) in enumerate(SHAPES):
+        for rows in (1, 3, MAX_NATIVE_ROWS):  # one row, a ragged tile (4-row groups plus rest), every row
+            x, weight = _case(index * 10 + rows, rows, depth, columns, dtype, contraction_last)
+            out = np.asarray(small_matmul_cpu(x, weight, contraction_last=contraction_last))
+            exact, bound = _exact(x, weight, contraction_last)
+            assert out.shape == (rows, columns)
+            assert np.all(np.abs(out - exact) <= bound), (depth, columns, rows)
+        reference = np.asarray(small_matmul_reference(x, weight, contraction_last=contraction_last))
+        assert np.all(np.abs(reference - exact) <= bound)  # the jnp reference states the same contract
+
+
+@pytest.mark.parametrize("contraction_last", [False, True], ids=["KN", "NK"])
+def test_a_rows_result_does_not_depend_on_the_other_rows(contraction_last):
+    """Bit for bit: each output sums over K in one order whatever else is in the batch (batch invariance)."""
+    x, weight = _case(7, MAX_NATIVE_ROWS, 1536, 576, "bfloat16", contraction_last)
+    together = np.asarray(small_matmul_cpu(x, weight, contraction_last=contraction_last))
+    for row in range(MAX_NATIVE_ROWS):
+        alone = np.asarray(small_matmul_cpu(x[row : row + 1], weight, contraction_last=contraction_last))
+        np.testing.assert_array_equal(alone[0], together[row])
+    other = x.at[1:].set(-x[1:])
+    np.testing.assert_array_equal(
+        np.asarray(small_matmul_cpu(other, weight, contraction_last=contraction_last))[0], together[0]
+    )
+
+
+def test_what_the_kernel_does_not_take_is_refused_naming_the_fix():
+    x, weight = _case(0, MAX_NATIVE_ROWS + 1, 16, 16, "float32", False)
+    with pytest.raises(ValueError, match="1 to 8 rows .* larger products go to XLA"):
+        small_matmul_cpu(x, weight)
+    with pytest.raises(ValueError, match="the weight is"):
+        small_matmul_cpu(x[:2], weight[:8])
+    with pytest.raises(ValueError, match="int8"):
+        small_matmul_cpu(x[:2], weight.astype(jnp.int8))
+
+
+def _uses_native_kernel(function, *args) -> bool:
+    return "paxkv_cpu_small_matmul" in jax.jit(function).lower(*args).as_text()
+
+
+# (spec, weight shape): every product the Llama model makes, at SmolLM2's sizes.
+MODEL_PRODUCTS = [
+    ("TD,DNH->TNH", (576, 9, 64)),
+    ("TD,DKH->TKH", (576, 3, 64)),
+    ("TI,ID->TD", (576, 576)),
+    ("TD,DF->TF", (576, 1536)),
+    ("TF,FD->TD", (1536, 576)),
+    ("TD,VD->TV", (4096, 576)),
+]
+
+
+@pytest.mark.parametrize("spec,shape", MODEL_PRODUCTS, ids=[spec for spec, _ in MODEL_PRODUCTS])
+def test_project_takes_the_kernel_for_few_rows_and_agrees_with_xla(spec, shape):
+    rng = np.random.default_rng(1)
+    depth = shape[1] if spec.startswith("TD,VD") else shape[0]
+    for dtype, rows, expect_native in [
+        ("bfloat16", 1, True),
+        ("bfloat16", 8, True),
+        ("float32", 1, False),  # XLA reads f32 fastest at one row
+        ("float32", 4, True),
+        ("float32", 16, False),
+        ("bfloat16", 16, False),
+    ]:
+        x = jnp.asarray(rng.standard_normal((rows, depth)), jnp.float32)
+        weight = jnp.asarray(rng.standard_normal(shape) * 0.05, dtype)
+
+        def native(x, weight):
+            return project(spec, x, weight, native=True)
+
+        def xla(x, weight):
+            return project(spec, x, weight, native=False)
+
+        assert _uses_native_kernel(native, x, weight) == expect_native, (dtype, rows)
+        assert not _uses_native_kernel(xla, x, weight)
+        got, want = np.asarray(native(x, weight)), np.asarray(xla(x, weight))
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(depth))
+
+
+def test_a_mesh_axis_that_could_split_the_weight_keeps_xla():
+    """Under an automatic mesh axis of more than one device the weight may be partitioned, which one opaque call
+    would gather whole: the product stays XLA's there (a data-parallel step's manual axis does not count)."""
+    x = jnp.ones((1, 64), jnp.float32)
+    weight = jnp.ones((64, 32), jnp.bfloat16)
+
+    def native(x, weight):
+        return project("TD,DF->TF", x, weight, native=True)
+
+    mesh = jax.make_mesh((2,), ("model",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        assert not _uses_native_kernel(native, x, weight)
+    single = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    with jax.set_mesh(single):
+        assert _uses_native_kernel(native, x, weight)
