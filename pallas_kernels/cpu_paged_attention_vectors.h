@@ -22,16 +22,19 @@ inline IntVec LoadIntVec(const int32_t* p) {
   return v;
 }
 
-// e^x for x <= 0, lane by lane: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial (its Taylor
-// coefficients), 2^n put into the exponent bits. Below -87 (where e^x leaves f32's normal range) it gives
-// e^-87, which beside the row's maximum weight of 1 is nothing; masked weights are zeroed by the caller.
-inline Vec Exp(Vec x) {
-  x = x < Splat(-87.0f) ? Splat(-87.0f) : x;
-  const Vec scaled = x * 1.44269504088896341f;  // x / ln2
-  const IntVec n = __builtin_convertvector(scaled + (scaled < Splat(0.0f) ? Splat(-0.5f) : Splat(0.5f)), IntVec);
-  const Vec nf = __builtin_convertvector(n, Vec);
-  const Vec r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-6f;  // ln2 in two parts
-  Vec p = Splat(1.0f / 5040.0f);
+// e^x for x <= 0, lane by lane, for any GCC vector V of f32 with IV its int32 vector: x = n ln2 + r with
+// |r| <= ln2 / 2, e^r by a degree-7 polynomial (its Taylor coefficients), 2^n put into the exponent bits. Below -87
+// (where e^x leaves f32's normal range) it gives e^-87, which beside the row's maximum weight of 1 is nothing; masked
+// weights are zeroed by the caller.
+template <typename V, typename IV>
+inline V ExpOf(V x) {
+  const V floor_value = V{} - 87.0f;
+  x = x < floor_value ? floor_value : x;
+  const V scaled = x * 1.44269504088896341f;  // x / ln2
+  const IV n = __builtin_convertvector(scaled + (scaled < V{} ? V{} - 0.5f : V{} + 0.5f), IV);
+  const V nf = __builtin_convertvector(n, V);
+  const V r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-6f;  // ln2 in two parts
+  V p = V{} + 1.0f / 5040.0f;
   p = p * r + 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
   p = p * r + 1.0f / 24.0f;
@@ -39,11 +42,12 @@ inline Vec Exp(Vec x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const IntVec bits = (n + 127) << 23;
-  Vec two_to_n;
+  const IV bits = (n + 127) << 23;
+  V two_to_n;
   __builtin_memcpy(&two_to_n, &bits, sizeof(two_to_n));
   return p * two_to_n;
 }
+inline Vec Exp(Vec x) { return ExpOf<Vec, IntVec>(x); }
 
 typedef uint16_t HalfVec __attribute__((vector_size(32)));
 // kLanes values from memory as f32 (bf16: the high halves of f32s).
