@@ -35,6 +35,10 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>  // cpu_native_vectors.h's intrinsics
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace {
@@ -46,17 +50,8 @@ struct Shapes {
       num_rows;
 };
 
-// bf16 bits to f32: the high half of an f32.
-inline float LoadValue(const float* p) { return *p; }
-inline float LoadValue(const uint16_t* p) {
-  uint32_t bits = static_cast<uint32_t>(*p) << 16;
-  float value;
-  __builtin_memcpy(&value, &bits, sizeof(value));
-  return value;
-}
-
 #include "cpu_native_parallel.h"          // ParallelFor
-#include "cpu_paged_attention_vectors.h"  // Vec, Exp, LoadValues, HorizontalSum
+#include "cpu_native_vectors.h"   // Vec, Exp, LoadValue(s), HorizontalSum
 
 template <typename T>
 inline float Dot(const float* q, const T* k, int64_t n) {

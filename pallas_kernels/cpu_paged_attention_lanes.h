@@ -3,7 +3,7 @@
 // when head_dim is 32, 64 or 128.
 //
 // A page's slots lie across SIMD lanes, kLanes at a time: each query row's scores against those slots are one
-// vector (its dot products with the keys, summed by a butterfly across the sixteen), so the softmax's maximum,
+// vector (its dot products with the keys, summed by a butterfly across the lanes), so the softmax's maximum,
 // exponentials and sum are vector operations, and the value update keeps the row's output in registers while it
 // walks the slots. One query row at a time, and each row's arithmetic never depends on the other rows of its run.
 
@@ -34,7 +34,7 @@ inline void AttendSlotChunk(const Vec (&q)[kChunks], const T* keys, const T* val
     }
     partial[j] = dot;
   }
-  Vec scores = SumEachOfSixteen(partial);  // lane j: slot j's score
+  Vec scores = SumEachLane(partial);  // lane j: slot j's score
   if (soft_cap > 0.0f) {
     for (int j = 0; j < kLanes; ++j) scores[j] = soft_cap * std::tanh(scores[j] / soft_cap);
   }
@@ -104,15 +104,15 @@ template <typename T>
 bool AttendRunLanesFor(const Shapes& s, const float* q, const T* pages, const int32_t* block_tables,
                        int64_t first_token, int64_t count, int64_t kv_head, int32_t row, const int32_t* positions,
                        const int32_t* kv_lens, int64_t sliding_window, float soft_cap, float* out) {
-#define PAXKV_LANES_CASE(chunks)                                                                                    \
-  case chunks * kLanes:                                                                                             \
-    AttendRunLanes<chunks>(s, q, pages, block_tables, first_token, count, kv_head, row, positions, kv_lens,        \
-                           sliding_window, soft_cap, out);                                                          \
+#define PAXKV_LANES_CASE(head_dim)                                                                                  \
+  case head_dim:                                                                                                    \
+    AttendRunLanes<head_dim / kLanes>(s, q, pages, block_tables, first_token, count, kv_head, row, positions,       \
+                                      kv_lens, sliding_window, soft_cap, out);                                      \
     return true;
   switch (s.head_dim) {  // the head_dims of the models paxkv runs (each case adds about 0.6 s to the build)
-    PAXKV_LANES_CASE(2)
-    PAXKV_LANES_CASE(4)
-    PAXKV_LANES_CASE(8)
+    PAXKV_LANES_CASE(32)
+    PAXKV_LANES_CASE(64)
+    PAXKV_LANES_CASE(128)
     default:
       return false;
   }

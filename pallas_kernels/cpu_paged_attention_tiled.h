@@ -8,35 +8,17 @@
 constexpr int64_t kMinTiledRunTokens = 8;
 constexpr int64_t kMaxTiledRunTokens = 64;
 
-// The path's vectors are the machine's own width, and its register tile is kTileSlots keys (or output dims) by
-// kTileVecs vectors of query rows, sized to the register file: with AVX-512, 16 lanes and 8 x 3 = 24 of its 32
-// registers; otherwise (AVX2: 16 registers of 8 lanes) 8 lanes and 4 x 2. The 16-lane vectors of the other paths
-// take two AVX2 registers each, and 8 x 3 of them spilled every accumulator to the stack there (a 128-token prompt's
-// attention took 5.7 ms a layer on SmolLM2's heads, against 0.56 ms with these).
+// The register tile: kTileSlots keys (or output dims) by kTileVecs vectors of query rows, sized to the register
+// file: with AVX-512 (32 registers of 16 lanes) 8 x 3 = 24 accumulators; with AVX2 (16 registers of 8 lanes) 4 x 2.
+// (8 x 3 tiles of 16-lane vectors, two AVX2 registers each, spilled every accumulator to the stack there: a
+// 128-token prompt's attention took 5.7 ms a layer on SmolLM2's heads, against 0.56 ms with these.)
 #if defined(__AVX512F__)
-constexpr int64_t kTileLanes = 16;
 constexpr int64_t kTileSlots = 8;
 constexpr int64_t kTileVecs = 3;
 #else
-constexpr int64_t kTileLanes = 8;
 constexpr int64_t kTileSlots = 4;
 constexpr int64_t kTileVecs = 2;
 #endif
-typedef float TileVec __attribute__((vector_size(kTileLanes * 4)));
-typedef int32_t TileIntVec __attribute__((vector_size(kTileLanes * 4)));
-inline TileVec TileSplat(float x) { return TileVec{} + x; }
-inline TileVec TileMax(TileVec a, TileVec b) { return a > b ? a : b; }
-inline TileVec TileLoad(const float* p) {
-  TileVec v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void TileStore(float* p, TileVec v) { __builtin_memcpy(p, &v, sizeof(v)); }
-inline TileIntVec TileLoadInt(const int32_t* p) {
-  TileIntVec v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
 
 // One work item's buffers, kept per thread: rows across lanes, `width` lanes per row of each.
 struct TiledScratch {
@@ -48,24 +30,24 @@ struct TiledScratch {
 template <typename T>
 void ScoreSlots(const float* q_t, const T* keys, int64_t row_width, int64_t D, int64_t width, int64_t lo, int64_t hi,
                 float* weights) {
-  for (int64_t v0 = 0; v0 < width; v0 += kTileVecs * kTileLanes) {
+  for (int64_t v0 = 0; v0 < width; v0 += kTileVecs * kLanes) {
     for (int64_t s0 = lo; s0 < hi; s0 += kTileSlots) {
       const T* key_rows[kTileSlots];
       for (int64_t j = 0; j < kTileSlots; ++j) key_rows[j] = keys + std::min(s0 + j, hi - 1) * row_width;
-      TileVec acc[kTileSlots][kTileVecs] = {};
+      Vec acc[kTileSlots][kTileVecs] = {};
       for (int64_t d = 0; d < D; ++d) {
-        TileVec q_vecs[kTileVecs];
+        Vec q_vecs[kTileVecs];
 #pragma GCC unroll 3
-        for (int64_t c = 0; c < kTileVecs; ++c) q_vecs[c] = TileLoad(q_t + d * width + v0 + c * kTileLanes);
+        for (int64_t c = 0; c < kTileVecs; ++c) q_vecs[c] = LoadVec(q_t + d * width + v0 + c * kLanes);
 #pragma GCC unroll 8
         for (int64_t j = 0; j < kTileSlots; ++j) {
-          const TileVec key = TileSplat(LoadValue(key_rows[j] + d));
+          const Vec key = Splat(LoadValue(key_rows[j] + d));
 #pragma GCC unroll 3
           for (int64_t c = 0; c < kTileVecs; ++c) acc[j][c] += key * q_vecs[c];
         }
       }
       for (int64_t j = 0; j < kTileSlots && s0 + j < hi; ++j) {
-        for (int64_t c = 0; c < kTileVecs; ++c) TileStore(weights + (s0 + j) * width + v0 + c * kTileLanes, acc[j][c]);
+        for (int64_t c = 0; c < kTileVecs; ++c) StoreVec(weights + (s0 + j) * width + v0 + c * kLanes, acc[j][c]);
       }
     }
   }
@@ -76,25 +58,25 @@ template <typename T>
 void AccumulateValues(const float* weights, const T* values, int64_t row_width, int64_t D, int64_t width, int64_t lo,
                       int64_t hi, float* out_t) {
   for (int64_t d0 = 0; d0 < D; d0 += kTileSlots) {
-    for (int64_t v0 = 0; v0 < width; v0 += kTileVecs * kTileLanes) {
-      TileVec acc[kTileSlots][kTileVecs];
+    for (int64_t v0 = 0; v0 < width; v0 += kTileVecs * kLanes) {
+      Vec acc[kTileSlots][kTileVecs];
       for (int64_t j = 0; j < kTileSlots; ++j) {
-        for (int64_t c = 0; c < kTileVecs; ++c) acc[j][c] = TileLoad(out_t + (d0 + j) * width + v0 + c * kTileLanes);
+        for (int64_t c = 0; c < kTileVecs; ++c) acc[j][c] = LoadVec(out_t + (d0 + j) * width + v0 + c * kLanes);
       }
       for (int64_t slot = lo; slot < hi; ++slot) {
-        TileVec w[kTileVecs];
+        Vec w[kTileVecs];
 #pragma GCC unroll 3
-        for (int64_t c = 0; c < kTileVecs; ++c) w[c] = TileLoad(weights + slot * width + v0 + c * kTileLanes);
+        for (int64_t c = 0; c < kTileVecs; ++c) w[c] = LoadVec(weights + slot * width + v0 + c * kLanes);
         const T* value = values + slot * row_width + d0;
 #pragma GCC unroll 8
         for (int64_t j = 0; j < kTileSlots; ++j) {
-          const TileVec element = TileSplat(LoadValue(value + j));
+          const Vec element = Splat(LoadValue(value + j));
 #pragma GCC unroll 3
           for (int64_t c = 0; c < kTileVecs; ++c) acc[j][c] += element * w[c];
         }
       }
       for (int64_t j = 0; j < kTileSlots; ++j) {
-        for (int64_t c = 0; c < kTileVecs; ++c) TileStore(out_t + (d0 + j) * width + v0 + c * kTileLanes, acc[j][c]);
+        for (int64_t c = 0; c < kTileVecs; ++c) StoreVec(out_t + (d0 + j) * width + v0 + c * kLanes, acc[j][c]);
       }
     }
   }
@@ -107,7 +89,7 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
                     int64_t count, int64_t kv_head, int32_t row, const int32_t* positions, const int32_t* kv_lens,
                     int64_t sliding_window, float* out) {
   const int64_t G = s.group, D = s.head_dim, P = s.page_size, num_rows = count * G;
-  const int64_t tile_rows = kTileVecs * kTileLanes, width = (num_rows + tile_rows - 1) / tile_rows * tile_rows;
+  const int64_t tile_rows = kTileVecs * kLanes, width = (num_rows + tile_rows - 1) / tile_rows * tile_rows;
   thread_local TiledScratch scratch;
   scratch.q_t.assign(D * width, 0.0f);
   scratch.out_t.assign(D * width, 0.0f);
@@ -145,38 +127,38 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
     // Lanes of tokens that see nothing, and padding lanes, compute on these finite values and are dropped at the end.
     const bool masked = latest_start > first + lo || earliest_end < first + hi;
     ScoreSlots(scratch.q_t.data(), page + 2 * kv_head * D, s.row_width, D, width, lo, hi, weights);
-    for (int64_t v = 0; v < width; v += kTileLanes) {
-      const TileIntVec starts = TileLoadInt(scratch.starts.data() + v), ends = TileLoadInt(scratch.ends.data() + v);
-      const TileVec old_max = TileLoad(scratch.running_max.data() + v);
-      TileVec new_max = old_max;
+    for (int64_t v = 0; v < width; v += kLanes) {
+      const IntVec starts = LoadIntVec(scratch.starts.data() + v), ends = LoadIntVec(scratch.ends.data() + v);
+      const Vec old_max = LoadVec(scratch.running_max.data() + v);
+      Vec new_max = old_max;
       for (int64_t slot = lo; slot < hi; ++slot) {
-        TileVec score = TileLoad(weights + slot * width + v);
+        Vec score = LoadVec(weights + slot * width + v);
         if (masked) {
-          const TileIntVec position = TileIntVec{} + static_cast<int32_t>(first + slot);
-          score = (position >= starts) & (position < ends) ? score : TileSplat(kMaskValue);
-          TileStore(weights + slot * width + v, score);
+          const IntVec position = IntVec{} + static_cast<int32_t>(first + slot);
+          score = (position >= starts) & (position < ends) ? score : Splat(kMaskValue);
+          StoreVec(weights + slot * width + v, score);
         }
-        new_max = TileMax(new_max, score);
+        new_max = Max(new_max, score);
       }
-      const TileVec rescale = ExpOf<TileVec, TileIntVec>(old_max - new_max);
-      TileVec sum = TileLoad(scratch.running_sum.data() + v) * rescale;
+      const Vec rescale = Exp(old_max - new_max);
+      Vec sum = LoadVec(scratch.running_sum.data() + v) * rescale;
       for (int64_t slot = lo; slot < hi; ++slot) {
-        TileVec weight = ExpOf<TileVec, TileIntVec>(TileLoad(weights + slot * width + v) - new_max);
+        Vec weight = Exp(LoadVec(weights + slot * width + v) - new_max);
         if (masked) {
-          const TileIntVec position = TileIntVec{} + static_cast<int32_t>(first + slot);
-          weight = (position >= starts) & (position < ends) ? weight : TileSplat(0.0f);
+          const IntVec position = IntVec{} + static_cast<int32_t>(first + slot);
+          weight = (position >= starts) & (position < ends) ? weight : Splat(0.0f);
         }
-        TileStore(weights + slot * width + v, weight);
+        StoreVec(weights + slot * width + v, weight);
         sum += weight;
       }
-      TileStore(scratch.running_max.data() + v, new_max);
-      TileStore(scratch.running_sum.data() + v, sum);
-      TileStore(scratch.rescale.data() + v, rescale);
+      StoreVec(scratch.running_max.data() + v, new_max);
+      StoreVec(scratch.running_sum.data() + v, sum);
+      StoreVec(scratch.rescale.data() + v, rescale);
     }
     for (int64_t d = 0; d < D; ++d) {
       float* out_row = scratch.out_t.data() + d * width;
-      for (int64_t v = 0; v < width; v += kTileLanes) {
-        TileStore(out_row + v, TileLoad(out_row + v) * TileLoad(scratch.rescale.data() + v));
+      for (int64_t v = 0; v < width; v += kLanes) {
+        StoreVec(out_row + v, LoadVec(out_row + v) * LoadVec(scratch.rescale.data() + v));
       }
     }
     AccumulateValues(weights, page + (2 * kv_head + 1) * D, s.row_width, D, width, lo, hi, scratch.out_t.data());

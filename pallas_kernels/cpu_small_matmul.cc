@@ -22,72 +22,19 @@
 #include <mutex>
 #include <vector>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>  // cpu_native_vectors.h's intrinsics
+#endif
 
 namespace ffi = xla::ffi;
 
 namespace {
 
 #include "cpu_native_parallel.h"  // ParallelFor
-
-// The machine's own vector width (16 f32 lanes with AVX-512, else 8): the accumulators below are sized to fit the
-// register file (32 vector registers with AVX-512, 16 with AVX2), which wider GCC vectors split in two would not.
-#if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;
-#else
-constexpr int64_t kLanes = 8;
-#endif
-typedef float Vec __attribute__((vector_size(kLanes * 4)));
-typedef int32_t IntVec __attribute__((vector_size(kLanes * 4)));
-typedef uint16_t HalfVec __attribute__((vector_size(kLanes * 2)));
-
-// Broadcasting and widening bf16 by intrinsics where the machine has them: GCC's generic spellings compile to an
-// extra add before each broadcast and to two half-width widenings and an insert per vector.
-#if defined(__AVX512F__)
-inline Vec Splat(float x) { return (Vec)_mm512_set1_ps(x); }
-inline Vec Load(const uint16_t* p) {  // bf16 bits widened: the high half of an f32
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return (Vec)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-#elif defined(__AVX2__)
-inline Vec Splat(float x) { return (Vec)_mm256_set1_ps(x); }
-inline Vec Load(const uint16_t* p) {
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return (Vec)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-#else
-inline Vec Splat(float x) { return Vec{} + x; }
-inline Vec Load(const uint16_t* p) {
-  HalfVec half;
-  __builtin_memcpy(&half, p, sizeof(half));
-  const IntVec bits = __builtin_convertvector(half, IntVec) << 16;
-  Vec value;
-  __builtin_memcpy(&value, &bits, sizeof(value));
-  return value;
-}
-#endif
-inline Vec Load(const float* p) {
-  Vec v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void Store(float* p, Vec v) { __builtin_memcpy(p, &v, sizeof(v)); }
-inline float LoadScalar(const float* p) { return *p; }
-inline float LoadScalar(const uint16_t* p) {
-  uint32_t bits = static_cast<uint32_t>(*p) << 16;
-  float value;
-  __builtin_memcpy(&value, &bits, sizeof(value));
-  return value;
-}
-inline float Sum(Vec v) {
-  float sum = 0.0f;
-  for (int64_t i = 0; i < kLanes; ++i) sum += v[i];
-  return sum;
-}
+#include "cpu_native_vectors.h"   // Vec (the machine's width), LoadValues, Splat, HorizontalSum
 
 constexpr int64_t kDepthStep = 4;        // KN: weight rows whose vectors are widened once and used by every x row
 constexpr int64_t kItemsPerThread = 2;     // KN: bands of w's rows per thread
@@ -105,18 +52,18 @@ void KnRows(const float* x, const W* w, float* partial, int64_t t_size, int64_t 
     const W* rows = w + k * n_size;
     for (int64_t n = 0; n < vector_end; n += kLanes) {
       Vec weights[kDepthStep];
-      for (int64_t d = 0; d < kDepthStep; ++d) weights[d] = Load(rows + d * n_size + n);
+      for (int64_t d = 0; d < kDepthStep; ++d) weights[d] = LoadValues(rows + d * n_size + n);
       for (int64_t t = 0; t < t_size; ++t) {
         const float* xt = x + t * k_size + k;
-        Vec acc = Load(partial + t * n_size + n);
+        Vec acc = LoadVec(partial + t * n_size + n);
         for (int64_t d = 0; d < kDepthStep; ++d) acc += Splat(xt[d]) * weights[d];
-        Store(partial + t * n_size + n, acc);
+        StoreVec(partial + t * n_size + n, acc);
       }
     }
     for (int64_t n = vector_end; n < n_size; ++n) {
       for (int64_t t = 0; t < t_size; ++t) {
         float sum = partial[t * n_size + n];
-        for (int64_t d = 0; d < kDepthStep; ++d) sum += x[t * k_size + k + d] * LoadScalar(rows + d * n_size + n);
+        for (int64_t d = 0; d < kDepthStep; ++d) sum += x[t * k_size + k + d] * LoadValue(rows + d * n_size + n);
         partial[t * n_size + n] = sum;
       }
     }
@@ -124,7 +71,7 @@ void KnRows(const float* x, const W* w, float* partial, int64_t t_size, int64_t 
   for (; k < k1; ++k) {  // the item's last rows, one at a time
     for (int64_t t = 0; t < t_size; ++t) {
       const float xk = x[t * k_size + k];
-      for (int64_t n = 0; n < n_size; ++n) partial[t * n_size + n] += xk * LoadScalar(w + k * n_size + n);
+      for (int64_t n = 0; n < n_size; ++n) partial[t * n_size + n] += xk * LoadValue(w + k * n_size + n);
     }
   }
 }
@@ -160,12 +107,12 @@ void NkRowsFor(const float* x, const W* w, float* out, int64_t k_size, int64_t n
     const W* weights = w + n * k_size;
     Vec acc[kRows] = {};
     for (int64_t k = 0; k < vector_end; k += kLanes) {
-      const Vec wv = Load(weights + k);
-      for (int64_t r = 0; r < kRows; ++r) acc[r] += Load(x + (t0 + r) * k_size + k) * wv;
+      const Vec wv = LoadValues(weights + k);
+      for (int64_t r = 0; r < kRows; ++r) acc[r] += LoadVec(x + (t0 + r) * k_size + k) * wv;
     }
     for (int64_t r = 0; r < kRows; ++r) {
-      float sum = Sum(acc[r]);
-      for (int64_t k = vector_end; k < k_size; ++k) sum += x[(t0 + r) * k_size + k] * LoadScalar(weights + k);
+      float sum = HorizontalSum(acc[r]);
+      for (int64_t k = vector_end; k < k_size; ++k) sum += x[(t0 + r) * k_size + k] * LoadValue(weights + k);
       out[(t0 + r) * n_size + n] = sum;
     }
   }

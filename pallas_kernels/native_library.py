@@ -27,7 +27,7 @@ HEADERS = tuple(
     os.path.join(_HERE, name)
     for name in (
         "cpu_native_parallel.h",
-        "cpu_paged_attention_vectors.h",
+        "cpu_native_vectors.h",
         "cpu_paged_attention_lanes.h",
         "cpu_paged_attention_tiled.h",
     )

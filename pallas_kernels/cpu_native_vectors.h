@@ -1,14 +1,24 @@
-// Part of cpu_paged_attention.cc (included inside its anonymous namespace, never on its own): SIMD vectors of f32
-// through GCC's vector extensions (which clang also accepts), and the vector functions the two attention paths use.
+// Part of the native CPU kernels (included inside their anonymous namespaces, never on its own): SIMD vectors of f32
+// in the machine's own width through GCC's vector extensions (which clang also accepts), and the vector functions
+// the kernels use.
+//
+// A vector is one register: 16 lanes with AVX-512, else 8 (AVX2, and the fallback elsewhere). The kernels size
+// their register tiles to that; 16-lane vectors on an AVX2 machine take two registers each and spilled their tiles
+// to the stack (the native attention's prefill path was 10x slower for it). The including file includes
+// <immintrin.h> first, outside its namespace.
 
-#ifndef PAXKV_CPU_PAGED_ATTENTION_VECTORS_H_
-#define PAXKV_CPU_PAGED_ATTENTION_VECTORS_H_
+#ifndef PAXKV_CPU_NATIVE_VECTORS_H_
+#define PAXKV_CPU_NATIVE_VECTORS_H_
 
-// Sixteen f32 lanes (one AVX-512 register; GCC splits it into narrower registers on narrower machines).
-typedef float Vec __attribute__((vector_size(64)));
-typedef int32_t IntVec __attribute__((vector_size(64)));
+#if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
-inline Vec Splat(float x) { return Vec{} + x; }
+#else
+constexpr int64_t kLanes = 8;
+#endif
+typedef float Vec __attribute__((vector_size(kLanes * 4)));
+typedef int32_t IntVec __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t HalfVec __attribute__((vector_size(kLanes * 2)));
+
 inline Vec Max(Vec a, Vec b) { return a > b ? a : b; }
 inline Vec LoadVec(const float* p) {
   Vec v;
@@ -21,6 +31,42 @@ inline IntVec LoadIntVec(const int32_t* p) {
   __builtin_memcpy(&v, p, sizeof(v));
   return v;
 }
+
+// One value as f32 (bf16 bits: the high half of an f32).
+inline float LoadValue(const float* p) { return *p; }
+inline float LoadValue(const uint16_t* p) {
+  uint32_t bits = static_cast<uint32_t>(*p) << 16;
+  float value;
+  __builtin_memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+// Broadcasting, and kLanes bf16 values widened to f32, by intrinsics where the machine has them: GCC's generic
+// spellings compile to an add before each broadcast, and to two half-width widenings and an insert per vector.
+inline Vec LoadValues(const float* p) { return LoadVec(p); }
+#if defined(__AVX512F__)
+inline Vec Splat(float x) { return (Vec)_mm512_set1_ps(x); }
+inline Vec LoadValues(const uint16_t* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (Vec)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+#elif defined(__AVX2__)
+inline Vec Splat(float x) { return (Vec)_mm256_set1_ps(x); }
+inline Vec LoadValues(const uint16_t* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (Vec)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+#else
+inline Vec Splat(float x) { return Vec{} + x; }
+inline Vec LoadValues(const uint16_t* p) {
+  HalfVec half;
+  __builtin_memcpy(&half, p, sizeof(half));
+  const IntVec bits = __builtin_convertvector(half, IntVec) << 16;
+  Vec value;
+  __builtin_memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+#endif
 
 // e^x for x <= 0, lane by lane, for any GCC vector V of f32 with IV its int32 vector: x = n ln2 + r with
 // |r| <= ln2 / 2, e^r by a degree-7 polynomial (its Taylor coefficients), 2^n put into the exponent bits. Below -87
@@ -49,17 +95,6 @@ inline V ExpOf(V x) {
 }
 inline Vec Exp(Vec x) { return ExpOf<Vec, IntVec>(x); }
 
-typedef uint16_t HalfVec __attribute__((vector_size(32)));
-// kLanes values from memory as f32 (bf16: the high halves of f32s).
-inline Vec LoadValues(const float* p) { return LoadVec(p); }
-inline Vec LoadValues(const uint16_t* p) {
-  HalfVec half;
-  __builtin_memcpy(&half, p, sizeof(half));
-  const IntVec bits = __builtin_convertvector(half, IntVec) << 16;
-  Vec value;
-  __builtin_memcpy(&value, &bits, sizeof(value));
-  return value;
-}
 // v's lanes in another order: GCC and clang spell the builtin differently ($CXX may be either).
 #if defined(__clang__)
 #define PAXKV_PERMUTE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
@@ -67,13 +102,14 @@ inline Vec LoadValues(const uint16_t* p) {
 #define PAXKV_PERMUTE(v, ...) __builtin_shuffle(v, IntVec{__VA_ARGS__})
 #endif
 
-// Lanes of a and b (indices 0-15 from a, 16-31 from b) in the order given.
+// Lanes of a and b (indices 0 to kLanes - 1 from a, then b's) in the order given.
 #if defined(__clang__)
 #define PAXKV_SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
 #define PAXKV_SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, IntVec{__VA_ARGS__})
 #endif
 
+#if defined(__AVX512F__)
 // The sum of v's lanes, by halving (four shuffles and adds, not a chain of sixteen).
 inline float HorizontalSum(Vec v) {
   v += PAXKV_PERMUTE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
@@ -95,7 +131,7 @@ inline float HorizontalMax(Vec v) {
 // The sums of the lanes of v[0], ..., v[15] as one vector (lane s: the sum of v[s]'s lanes), by a butterfly: each
 // level adds the halves of pairs of vectors, 15 pairs of two shuffles and an add in all, against 16 x 8 operations
 // for sixteen HorizontalSums. Each output lane sums only its own input's lanes.
-inline Vec SumEachOfSixteen(const Vec v[16]) {
+inline Vec SumEachLane(const Vec v[kLanes]) {
   Vec u[8], w[4], z[2];
   for (int k = 0; k < 8; ++k) {  // lanes 0-7: 8 partial sums of v[2k]; lanes 8-15: of v[2k + 1]
     u[k] = PAXKV_SHUFFLE2(v[2 * k], v[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -112,5 +148,37 @@ inline Vec SumEachOfSixteen(const Vec v[16]) {
   return PAXKV_SHUFFLE2(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          PAXKV_SHUFFLE2(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#else
+// The sum of v's lanes, by halving (three shuffles and adds).
+inline float HorizontalSum(Vec v) {
+  v += PAXKV_PERMUTE(v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += PAXKV_PERMUTE(v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v += PAXKV_PERMUTE(v, 1, 0, 3, 2, 5, 4, 7, 6);
+  return v[0];
+}
 
-#endif  // PAXKV_CPU_PAGED_ATTENTION_VECTORS_H_
+// The largest of v's lanes, by halving.
+inline float HorizontalMax(Vec v) {
+  v = Max(v, PAXKV_PERMUTE(v, 4, 5, 6, 7, 0, 1, 2, 3));
+  v = Max(v, PAXKV_PERMUTE(v, 2, 3, 0, 1, 6, 7, 4, 5));
+  v = Max(v, PAXKV_PERMUTE(v, 1, 0, 3, 2, 5, 4, 7, 6));
+  return v[0];
+}
+
+// The sums of the lanes of v[0], ..., v[7] as one vector (lane s: the sum of v[s]'s lanes), by the same butterfly
+// in three levels (7 pairs of two shuffles and an add).
+inline Vec SumEachLane(const Vec v[kLanes]) {
+  Vec u[4], w[2];
+  for (int k = 0; k < 4; ++k) {  // lanes 0-3: 4 partial sums of v[2k]; lanes 4-7: of v[2k + 1]
+    u[k] = PAXKV_SHUFFLE2(v[2 * k], v[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           PAXKV_SHUFFLE2(v[2 * k], v[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+  for (int m = 0; m < 2; ++m) {  // 2 lanes each for v[4m], ..., v[4m + 3]
+    w[m] = PAXKV_SHUFFLE2(u[2 * m], u[2 * m + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           PAXKV_SHUFFLE2(u[2 * m], u[2 * m + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  }
+  return PAXKV_SHUFFLE2(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14) + PAXKV_SHUFFLE2(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#endif
+
+#endif  // PAXKV_CPU_NATIVE_VECTORS_H_
