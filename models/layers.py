@@ -46,7 +46,8 @@ def project(spec: str, x: jax.Array, weight: jax.Array, *, native: bool = False)
 
 
 def _native_layout(spec: str) -> str | None:
-    """ "KN" when spec contracts x[T, K] with the weight's first axis, "NK" with its last of two, else None."""
+    """The small-row kernel's weight layout for spec: "KN" when it contracts x[T, K] with the weight's first axis,
+    "NK" with the last of its two, else None (the kernel does not take it)."""
     operands, _ = spec.split("->")
     x_letters, weight_letters = operands.split(",")
     if len(x_letters) != 2:

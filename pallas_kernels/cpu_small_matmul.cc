@@ -36,9 +36,9 @@ namespace {
 #include "cpu_native_parallel.h"  // ParallelFor
 #include "cpu_native_vectors.h"   // Vec (the machine's width), LoadValues, Splat, HorizontalSum
 
-constexpr int64_t kDepthStep = 4;        // KN: weight rows whose vectors are widened once and used by every x row
-constexpr int64_t kItemsPerThread = 2;     // KN: bands of w's rows per thread
-constexpr int64_t kNkRowsPerItem = 64;   // NK: output rows per work item
+constexpr int64_t kDepthStep = 4;       // KN: weight rows whose vectors are widened once and used by every x row
+constexpr int64_t kItemsPerThread = 2;  // KN: bands of w's rows per thread
+constexpr int64_t kNkRowsPerItem = 64;  // NK: output rows per work item
 
 // KN, w[K, N]: partial[t, :] = x[t, k0 : k1] @ w[k0 : k1, :], walking the item's rows of w (one contiguous block)
 // kDepthStep rows at a time, each step's vectors widened once and added into every x row's sums.
@@ -98,7 +98,8 @@ void MatmulKn(ffi::ThreadPool& pool, const float* x, const W* w, float* out, int
   }
 }
 
-// NK, w[N, K]: out[t, n] = x[t] . w[n] for n in [n0, n1), each weight row read once for every x row.
+// NK, w[N, K]: out[t, n] = x[t] . w[n] for n in [n0, n1) and kRows x rows from t0, each weight row read once for
+// all of them.
 template <typename W, int64_t kRows>
 void NkRowsFor(const float* x, const W* w, float* out, int64_t k_size, int64_t n_size, int64_t t0, int64_t n0,
                int64_t n1) {
