@@ -41,16 +41,11 @@ inline float LoadValue(const uint16_t* p) {
   return value;
 }
 
-// Broadcasting, and kLanes bf16 values widened to f32, by intrinsics where the machine has them: GCC's generic
-// spellings compile to an add before each broadcast, and to two half-width widenings and an insert per vector.
+// Broadcasting, and kLanes bf16 values widened to f32, by intrinsics on AVX2: GCC's generic spellings compile to an
+// add before each broadcast and to a widening through the narrower registers. (AVX-512 builds keep the generic
+// spellings, which this machine could not run to check intrinsics against; they were measured on AVX-512 before.)
 inline Vec LoadValues(const float* p) { return LoadVec(p); }
-#if defined(__AVX512F__)
-inline Vec Splat(float x) { return (Vec)_mm512_set1_ps(x); }
-inline Vec LoadValues(const uint16_t* p) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return (Vec)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-#elif defined(__AVX2__)
+#if defined(__AVX2__) && !defined(__AVX512F__)
 inline Vec Splat(float x) { return (Vec)_mm256_set1_ps(x); }
 inline Vec LoadValues(const uint16_t* p) {
   const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
