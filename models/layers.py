@@ -7,7 +7,13 @@ from flax import nnx
 from models.config import ModelConfig
 from models.rope import apply_rope, rope_inverse_frequencies
 from models.sharding import attention_on_mesh
-from pallas_kernels import AttentionMetadata, native_matmul_reads, small_matmul_cpu
+from pallas_kernels import (
+    AttentionMetadata,
+    blocked_matmul_cpu,
+    blocked_matmul_reads,
+    native_matmul_reads,
+    small_matmul_cpu,
+)
 
 # Letters in einsum strings:
 #   T tokens, D hidden size, N query heads, K kv heads, H head_dim, F mlp width.
@@ -66,7 +72,8 @@ def _native_project_takes(spec: str, x: jax.Array, weight: jax.Array) -> bool:
     manual)."""
     rows = x.shape[0]
     fewest = 1 if weight.dtype == jnp.bfloat16 else 2
-    if x.dtype != jnp.float32 or not fewest <= rows or not native_matmul_reads(rows, weight.dtype):
+    blocked = blocked_matmul_reads(rows, weight.dtype)
+    if x.dtype != jnp.float32 or not fewest <= rows or not (native_matmul_reads(rows, weight.dtype) or blocked):
         return False
     mesh = jax.sharding.get_abstract_mesh()
     if any(mesh.shape[axis] > 1 for axis in mesh.axis_names if axis not in mesh.manual_axes):
@@ -75,10 +82,11 @@ def _native_project_takes(spec: str, x: jax.Array, weight: jax.Array) -> bool:
 
 
 def _native_project(spec: str, x: jax.Array, weight: jax.Array) -> jax.Array:
-    """project() through pallas_kernels.small_matmul_cpu, the weight viewed as a matrix."""
+    """project() through pallas_kernels' small-row or blocked matmul, the weight viewed as a matrix."""
+    matmul = small_matmul_cpu if native_matmul_reads(x.shape[0], weight.dtype) else blocked_matmul_cpu
     if _native_layout(spec) == "NK":
-        return small_matmul_cpu(x, weight, contraction_last=True)
-    out = small_matmul_cpu(x, weight.reshape(weight.shape[0], -1))  # [T, N...]
+        return matmul(x, weight, contraction_last=True)
+    out = matmul(x, weight.reshape(weight.shape[0], -1))  # [T, N...]
     return out.reshape(x.shape[0], *weight.shape[1:])
 
 

@@ -1,5 +1,6 @@
-"""Paged-attention kernels, the CPU's small-row matmul, and their pure-jnp references; depends on jax only."""
+"""Paged-attention kernels, the CPU's native matmuls, and their pure-jnp references; depends on jax only."""
 
+from pallas_kernels.cpu_blocked_matmul import MIN_BLOCKED_ROWS, blocked_matmul_cpu, blocked_matmul_reads
 from pallas_kernels.cpu_small_matmul import (
     MAX_NATIVE_ROWS,
     native_matmul_reads,
@@ -39,9 +40,12 @@ __all__ = [
     "ATTENTION_IMPLS",
     "AttentionMetadata",
     "MAX_NATIVE_ROWS",
+    "MIN_BLOCKED_ROWS",
     "QuantizedKVPages",
     "RESOLVED_IMPLS",
     "allocate_pages",
+    "blocked_matmul_cpu",
+    "blocked_matmul_reads",
     "empty_quantized_pages",
     "heads_split",
     "is_quantized",

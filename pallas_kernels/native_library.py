@@ -21,7 +21,9 @@ import jax.numpy as jnp
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # One library from every kernel's source (one compile, one load).
-SOURCES = tuple(os.path.join(_HERE, name) for name in ("cpu_paged_attention.cc", "cpu_small_matmul.cc"))
+SOURCES = tuple(
+    os.path.join(_HERE, name) for name in ("cpu_paged_attention.cc", "cpu_small_matmul.cc", "cpu_blocked_matmul.cc")
+)
 # The headers they include from beside themselves: part of the library's cache key.
 HEADERS = tuple(
     os.path.join(_HERE, name)
@@ -42,6 +44,10 @@ ATTENTION_TARGETS = {
 MATMUL_TARGETS = {
     jnp.dtype(jnp.float32): ("paxkv_cpu_small_matmul_f32", "PaxkvCpuSmallMatmulF32"),
     jnp.dtype(jnp.bfloat16): ("paxkv_cpu_small_matmul_bf16", "PaxkvCpuSmallMatmulBF16"),
+}
+BLOCKED_MATMUL_TARGETS = {
+    jnp.dtype(jnp.float32): ("paxkv_cpu_blocked_matmul_f32", "PaxkvCpuBlockedMatmulF32"),
+    jnp.dtype(jnp.bfloat16): ("paxkv_cpu_blocked_matmul_bf16", "PaxkvCpuBlockedMatmulBF16"),
 }
 
 
@@ -113,7 +119,8 @@ def load() -> str | None:
         path = _build(compiler)
         library = ctypes.cdll.LoadLibrary(path)
         if not _registered_library:
-            for target, symbol in (*ATTENTION_TARGETS.values(), *MATMUL_TARGETS.values()):
+            targets = (*ATTENTION_TARGETS.values(), *MATMUL_TARGETS.values(), *BLOCKED_MATMUL_TARGETS.values())
+            for target, symbol in targets:
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
             _registered_library.append(path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:

@@ -70,8 +70,12 @@ def test_what_the_kernel_does_not_take_is_refused_naming_the_fix():
         small_matmul_cpu(x[:2], weight.astype(jnp.int8))
 
 
-def _uses_native_kernel(function, *args) -> bool:
-    return "paxkv_cpu_small_matmul" in jax.jit(function).lower(*args).as_text()
+def _native_kernel_used(function, *args) -> str | None:
+    """Which native matmul (small or blocked) the function's program calls, or None."""
+    text = jax.jit(function).lower(*args).as_text()
+    used = [kernel for kernel in ("small", "blocked") if f"paxkv_cpu_{kernel}_matmul" in text]
+    assert len(used) <= 1
+    return used[0] if used else None
 
 
 # (spec, weight shape): every product the Llama model makes, at SmolLM2's sizes.
@@ -86,16 +90,19 @@ MODEL_PRODUCTS = [
 
 
 @pytest.mark.parametrize("spec,shape", MODEL_PRODUCTS, ids=[spec for spec, _ in MODEL_PRODUCTS])
-def test_project_takes_the_kernel_for_few_rows_and_agrees_with_xla(spec, shape):
+def test_project_takes_the_native_kernels_where_they_beat_xla_and_agrees_with_xla(spec, shape):
     rng = np.random.default_rng(1)
     depth = shape[1] if spec.startswith("TD,VD") else shape[0]
     for dtype, rows, expect_native in [
-        ("bfloat16", 1, True),
-        ("bfloat16", 8, True),
-        ("float32", 1, False),  # XLA reads f32 fastest at one row
-        ("float32", 4, True),
-        ("float32", 16, False),
-        ("bfloat16", 16, False),
+        ("bfloat16", 1, "small"),
+        ("bfloat16", 8, "small"),
+        ("float32", 1, None),  # XLA reads f32 fastest at one row
+        ("float32", 4, "small"),
+        ("float32", 16, "blocked"),
+        ("bfloat16", 16, "blocked"),
+        ("float32", 64, "blocked"),
+        ("float32", 128, None),  # XLA's f32 matmuls as fast from 64 rows on
+        ("bfloat16", 128, "blocked"),
     ]:
         x = jnp.asarray(rng.standard_normal((rows, depth)), jnp.float32)
         weight = jnp.asarray(rng.standard_normal(shape) * 0.05, dtype)
@@ -106,8 +113,8 @@ def test_project_takes_the_kernel_for_few_rows_and_agrees_with_xla(spec, shape):
         def xla(x, weight):
             return project(spec, x, weight, native=False)
 
-        assert _uses_native_kernel(native, x, weight) == expect_native, (dtype, rows)
-        assert not _uses_native_kernel(xla, x, weight)
+        assert _native_kernel_used(native, x, weight) == expect_native, (dtype, rows)
+        assert _native_kernel_used(xla, x, weight) is None
         got, want = np.asarray(native(x, weight)), np.asarray(xla(x, weight))
         assert got.shape == want.shape and got.dtype == want.dtype
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(depth))
@@ -124,7 +131,7 @@ def test_a_mesh_axis_that_could_split_the_weight_keeps_xla():
 
     mesh = jax.make_mesh((2,), ("model",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
     with jax.set_mesh(mesh):
-        assert not _uses_native_kernel(native, x, weight)
+        assert _native_kernel_used(native, x, weight) is None
     single = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
     with jax.set_mesh(single):
-        assert _uses_native_kernel(native, x, weight)
+        assert _native_kernel_used(native, x, weight) == "small"

@@ -1,0 +1,66 @@
+"""Tens of activation rows times a weight matrix on CPU through a native XLA FFI kernel (cpu_blocked_matmul.cc),
+beside the same pure-jnp reference as the small-row kernel (cpu_small_matmul.small_matmul_reference).
+
+From about 9 rows a decode batch's matmul is bound by arithmetic. XLA:CPU runs SmolLM2's 32-row products at 65-90
+GFLOP/s; this kernel's register tiles (6 rows x 2 vectors of fused multiply-adds over weights packed a block at a
+time into the core's first-level cache, the next block prefetched) run them at 110 (BUILD.md). bf16 weights are
+widened once while packing, so they run as fast as f32 ones, where XLA:CPU's bf16 products run at half its f32 rate
+at every row count. Both weight layouts: [K, N] projections and the [N, K] tied embedding as the lm_head (its
+blocks transposed while packing).
+
+Numerics are those of `models.layers.project`: activations rounded to the weight's dtype, exact products, f32 sums,
+each output summed over K in one order whatever the other rows are.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.cpu_small_matmul import MAX_NATIVE_ROWS
+from pallas_kernels.native_library import BLOCKED_MATMUL_TARGETS, native_kernel_error
+
+# The row counts the kernel takes: above the small-row kernel's; f32 up to where XLA's own matmuls do as well (at
+# 30 SmolLM2 layers and its lm_head: 64 rows even, 256 XLA's by 12%), bf16 at any count.
+MIN_BLOCKED_ROWS = MAX_NATIVE_ROWS + 1
+MAX_BLOCKED_F32_ROWS = 64
+
+
+def blocked_matmul_reads(rows: int, weight_dtype) -> bool:
+    """Whether models.layers.project gives the blocked kernel a product of `rows` activation rows with a weight of
+    this dtype (where it beats XLA:CPU)."""
+    dtype = jnp.dtype(weight_dtype)
+    if dtype not in BLOCKED_MATMUL_TARGETS or rows < MIN_BLOCKED_ROWS:
+        return False
+    return dtype != jnp.float32 or rows <= MAX_BLOCKED_F32_ROWS
+
+
+@functools.partial(jax.jit, static_argnames=("contraction_last",))
+def blocked_matmul_cpu(
+    x: jax.Array,  # f32[T, K]
+    weight: jax.Array,  # [K, N], or [N, K] with contraction_last
+    *,
+    contraction_last: bool = False,
+) -> jax.Array:  # f32[T, N]
+    """small_matmul_reference through the blocked native kernel (any T; f32 or bf16 weights; on CPU).
+
+    Args:
+      x: activation rows in f32.
+      weight: f32 or bf16 weights.
+      contraction_last: the weight is [N, K] (a tied embedding as the lm_head) instead of [K, N].
+    """
+    error = native_kernel_error()
+    if error is not None:
+        raise RuntimeError(f"the native CPU matmul cannot run: {error}")
+    rows, depth = x.shape
+    if jnp.dtype(weight.dtype) not in BLOCKED_MATMUL_TARGETS:
+        raise ValueError(f"the blocked CPU matmul takes f32 or bf16 weights, not {weight.dtype}")
+    if weight.ndim != 2 or weight.shape[1 if contraction_last else 0] != depth:
+        raise ValueError(
+            f"x is [{rows}, {depth}] but the weight is {weight.shape} (contraction_last={contraction_last})"
+        )
+    columns = weight.shape[0 if contraction_last else 1]
+    target, _ = BLOCKED_MATMUL_TARGETS[jnp.dtype(weight.dtype)]
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, columns), jnp.float32))
+    rounded = x.astype(weight.dtype).astype(jnp.float32)
+    return call(rounded, weight, contraction_last=contraction_last)

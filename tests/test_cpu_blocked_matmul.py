@@ -1,0 +1,78 @@
+"""The native blocked CPU matmul (pallas_kernels/cpu_blocked_matmul.cc) against exact sums."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import MIN_BLOCKED_ROWS, blocked_matmul_cpu, blocked_matmul_reads, small_matmul_reference
+from pallas_kernels.native_library import native_kernel_error
+
+pytestmark = pytest.mark.skipif(native_kernel_error() is not None, reason=f"no native kernels: {native_kernel_error()}")
+
+# (depth, columns): SmolLM2's 576 -> 192 and 1536 -> 576; depths past one packed block (96 rows on AVX2) with a
+# ragged last block and columns that leave part of a panel or of an 8 x 8 transposed block; tiny ones.
+SHAPES = [(576, 192), (1536, 576), (200, 100), (37, 70), (16, 17), (3, 5)]
+# One row, a tile's height minus one, whole 6-row tiles plus every remainder, a decode batch, a prefill chunk.
+ROWS = [1, 5, 9, 13, 32, 64, 130]
+
+
+def _case(seed, rows, depth, columns, dtype, contraction_last):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, depth)).astype(np.float32)
+    weight = rng.standard_normal((columns, depth) if contraction_last else (depth, columns)).astype(np.float32)
+    return jnp.asarray(x), jnp.asarray(weight, dtype)
+
+
+def _exact(x, weight, contraction_last):
+    """x (rounded to the weight's dtype) @ weight in float64, and the f32 summation error bound
+    depth * eps * (|x| @ |weight|) that any order of f32 sums stays within."""
+    rounded = np.asarray(x.astype(weight.dtype).astype(jnp.float32), np.float64)
+    wide = np.asarray(weight.astype(jnp.float32), np.float64)
+    wide = wide.T if contraction_last else wide
+    bound = x.shape[1] * np.finfo(np.float32).eps * (np.abs(rounded) @ np.abs(wide))
+    return rounded @ wide, bound
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("contraction_last", [False, True], ids=["KN", "NK"])
+def test_every_row_count_and_shape_is_within_f32_summation_error_of_the_exact_product(dtype, contraction_last):
+    for index, (depth, columns) in enumerate(SHAPES):
+        for rows in ROWS:
+            x, weight = _case(index * 1000 + rows, rows, depth, columns, dtype, contraction_last)
+            out = np.asarray(blocked_matmul_cpu(x, weight, contraction_last=contraction_last))
+            exact, bound = _exact(x, weight, contraction_last)
+            assert out.shape == (rows, columns)
+            assert np.all(np.abs(out - exact) <= bound), (depth, columns, rows)
+        reference = np.asarray(small_matmul_reference(x, weight, contraction_last=contraction_last))
+        assert np.all(np.abs(reference - exact) <= bound)  # the shared jnp reference states the same contract
+
+
+@pytest.mark.parametrize("contraction_last", [False, True], ids=["KN", "NK"])
+def test_a_rows_result_does_not_depend_on_the_other_rows(contraction_last):
+    """Bit for bit: each output sums over K in one order whatever else is in the batch (batch invariance)."""
+    x, weight = _case(7, 32, 1536, 200, "bfloat16", contraction_last)
+    together = np.asarray(blocked_matmul_cpu(x, weight, contraction_last=contraction_last))
+    for row in (0, 5, 6, 31):  # first and last of a full tile, first of the next, the remainder tile's
+        alone = np.asarray(blocked_matmul_cpu(x[row : row + 1], weight, contraction_last=contraction_last))
+        np.testing.assert_array_equal(alone[0], together[row])
+    other = x.at[1:].set(-x[1:])
+    np.testing.assert_array_equal(
+        np.asarray(blocked_matmul_cpu(other, weight, contraction_last=contraction_last))[0], together[0]
+    )
+
+
+def test_what_the_kernel_does_not_take_is_refused_naming_the_fix():
+    x, weight = _case(0, 16, 16, 16, "float32", False)
+    with pytest.raises(ValueError, match="the weight is"):
+        blocked_matmul_cpu(x, weight[:8])
+    with pytest.raises(ValueError, match="f32 or bf16 weights, not int8"):
+        blocked_matmul_cpu(x, weight.astype(jnp.int8))
+
+
+def test_the_row_counts_it_is_given_are_where_it_beats_xla():
+    assert not blocked_matmul_reads(MIN_BLOCKED_ROWS - 1, jnp.float32)  # the small-row kernel's
+    assert blocked_matmul_reads(MIN_BLOCKED_ROWS, jnp.float32)
+    assert blocked_matmul_reads(64, jnp.float32)
+    assert not blocked_matmul_reads(65, jnp.float32)  # XLA's f32 matmuls as fast or faster from here
+    assert blocked_matmul_reads(4096, jnp.bfloat16)  # XLA's bf16 ones never are
+    assert not blocked_matmul_reads(32, jnp.int8)
