@@ -38,6 +38,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 #include "cpu_native_parallel.h"  // ParallelFor
+#include "cpu_native_matmul_shape.h"  // MatmulShapeOf
 #include "cpu_native_vectors.h"   // Vec (the machine's width), LoadValues, Splat
 
 constexpr int64_t kRowBlock = 6;                         // x rows in a register tile
@@ -227,19 +228,15 @@ void MatmulPanels(ffi::ThreadPool& pool, const float* x, const Panels<W, kContra
 template <typename W>
 ffi::Error BlockedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, bool contraction_last,
                          ffi::ResultBuffer<ffi::F32> out) {
-  auto x_dims = x.dimensions();
-  auto w_dims = w.dimensions();
-  if (x_dims.size() != 2 || w_dims.size() != 2) return ffi::Error::InvalidArgument("expected x[T, K] and a 2-D w");
-  const int64_t t_size = x_dims[0], k_size = x_dims[1];
-  const int64_t n_size = contraction_last ? w_dims[0] : w_dims[1];
-  if ((contraction_last ? w_dims[1] : w_dims[0]) != k_size) {
-    return ffi::Error::InvalidArgument("the weight's contraction dimension does not match x's");
-  }
+  MatmulShape shape;
+  if (ffi::Error error = MatmulShapeOf(x, w, contraction_last, shape); error.failure()) return error;
   const W* w_data = reinterpret_cast<const W*>(w.untyped_data());
   if (contraction_last) {
-    MatmulPanels(pool, x.typed_data(), Panels<W, true>{w_data, k_size, n_size}, out->typed_data(), t_size);
+    MatmulPanels(pool, x.typed_data(), Panels<W, true>{w_data, shape.k_size, shape.n_size}, out->typed_data(),
+                 shape.t_size);
   } else {
-    MatmulPanels(pool, x.typed_data(), Panels<W, false>{w_data, k_size, n_size}, out->typed_data(), t_size);
+    MatmulPanels(pool, x.typed_data(), Panels<W, false>{w_data, shape.k_size, shape.n_size}, out->typed_data(),
+                 shape.t_size);
   }
   return ffi::Error::Success();
 }

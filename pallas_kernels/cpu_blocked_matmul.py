@@ -17,8 +17,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu_small_matmul import MAX_NATIVE_ROWS
-from pallas_kernels.native_library import BLOCKED_MATMUL_TARGETS, native_kernel_error
+from pallas_kernels.cpu_small_matmul import MAX_NATIVE_ROWS, call_native_matmul
+from pallas_kernels.native_library import BLOCKED_MATMUL_TARGETS
 
 # The row counts the kernel takes: above the small-row kernel's; f32 up to where XLA's own matmuls do as well (at
 # 30 SmolLM2 layers and its lm_head: 64 rows even, 256 XLA's by 12%), bf16 at any count.
@@ -49,18 +49,4 @@ def blocked_matmul_cpu(
       weight: f32 or bf16 weights.
       contraction_last: the weight is [N, K] (a tied embedding as the lm_head) instead of [K, N].
     """
-    error = native_kernel_error()
-    if error is not None:
-        raise RuntimeError(f"the native CPU matmul cannot run: {error}")
-    rows, depth = x.shape
-    if jnp.dtype(weight.dtype) not in BLOCKED_MATMUL_TARGETS:
-        raise ValueError(f"the blocked CPU matmul takes f32 or bf16 weights, not {weight.dtype}")
-    if weight.ndim != 2 or weight.shape[1 if contraction_last else 0] != depth:
-        raise ValueError(
-            f"x is [{rows}, {depth}] but the weight is {weight.shape} (contraction_last={contraction_last})"
-        )
-    columns = weight.shape[0 if contraction_last else 1]
-    target, _ = BLOCKED_MATMUL_TARGETS[jnp.dtype(weight.dtype)]
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, columns), jnp.float32))
-    rounded = x.astype(weight.dtype).astype(jnp.float32)
-    return call(rounded, weight, contraction_last=contraction_last)
+    return call_native_matmul(BLOCKED_MATMUL_TARGETS, x, weight, contraction_last)

@@ -34,6 +34,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 #include "cpu_native_parallel.h"  // ParallelFor
+#include "cpu_native_matmul_shape.h"  // MatmulShapeOf
 #include "cpu_native_vectors.h"   // Vec (the machine's width), LoadValues, Splat, HorizontalSum
 
 constexpr int64_t kDepthStep = 4;       // KN: weight rows whose vectors are widened once and used by every x row
@@ -135,19 +136,13 @@ void MatmulNk(ffi::ThreadPool& pool, const float* x, const W* w, float* out, int
 template <typename W>
 ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, bool contraction_last,
                        ffi::ResultBuffer<ffi::F32> out) {
-  auto x_dims = x.dimensions();
-  auto w_dims = w.dimensions();
-  if (x_dims.size() != 2 || w_dims.size() != 2) return ffi::Error::InvalidArgument("expected x[T, K] and a 2-D w");
-  const int64_t t_size = x_dims[0], k_size = x_dims[1];
-  const int64_t n_size = contraction_last ? w_dims[0] : w_dims[1];
-  if ((contraction_last ? w_dims[1] : w_dims[0]) != k_size) {
-    return ffi::Error::InvalidArgument("the weight's contraction dimension does not match x's");
-  }
+  MatmulShape shape;
+  if (ffi::Error error = MatmulShapeOf(x, w, contraction_last, shape); error.failure()) return error;
   const W* w_data = reinterpret_cast<const W*>(w.untyped_data());
   if (contraction_last) {
-    MatmulNk(pool, x.typed_data(), w_data, out->typed_data(), t_size, k_size, n_size);
+    MatmulNk(pool, x.typed_data(), w_data, out->typed_data(), shape.t_size, shape.k_size, shape.n_size);
   } else {
-    MatmulKn(pool, x.typed_data(), w_data, out->typed_data(), t_size, k_size, n_size);
+    MatmulKn(pool, x.typed_data(), w_data, out->typed_data(), shape.t_size, shape.k_size, shape.n_size);
   }
   return ffi::Error::Success();
 }

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.native_library import MATMUL_TARGETS, native_kernel_error
 
-# The most rows the kernel takes; larger products are XLA's (its matmuls are compute-bound and quick there).
+# The most rows the kernel takes; larger products are the blocked kernel's (cpu_blocked_matmul.py) or XLA's.
 MAX_NATIVE_ROWS = 8
 
 
@@ -59,21 +59,30 @@ def small_matmul_cpu(
       weight: f32 or bf16 weights.
       contraction_last: the weight is [N, K] instead of [K, N].
     """
+    rows = x.shape[0]
+    if not native_matmul_reads(rows, weight.dtype):
+        raise ValueError(
+            f"the native CPU matmul takes 1 to {MAX_NATIVE_ROWS} rows of f32 or bf16 weights, not {rows} rows of "
+            f"{weight.dtype}; larger products go to the blocked kernel or XLA (models.layers.project chooses)"
+        )
+    return call_native_matmul(MATMUL_TARGETS, x, weight, contraction_last)
+
+
+def call_native_matmul(targets: dict, x: jax.Array, weight: jax.Array, contraction_last: bool) -> jax.Array:
+    """x (rounded to the weight's dtype) @ weight through the native kernel in `targets` for the weight's dtype, after
+    checking that the kernels are built and the operands fit: the small-row and blocked matmuls' shared call."""
     error = native_kernel_error()
     if error is not None:
         raise RuntimeError(f"the native CPU matmul cannot run: {error}")
     rows, depth = x.shape
-    if not native_matmul_reads(rows, weight.dtype):
-        raise ValueError(
-            f"the native CPU matmul takes 1 to {MAX_NATIVE_ROWS} rows of f32 or bf16 weights, not {rows} rows of "
-            f"{weight.dtype}; larger products go to XLA (models.layers.project chooses)"
-        )
+    if jnp.dtype(weight.dtype) not in targets:
+        raise ValueError(f"the native CPU matmul takes f32 or bf16 weights, not {weight.dtype}")
     if weight.ndim != 2 or weight.shape[1 if contraction_last else 0] != depth:
         raise ValueError(
             f"x is [{rows}, {depth}] but the weight is {weight.shape} (contraction_last={contraction_last})"
         )
     columns = weight.shape[0 if contraction_last else 1]
-    target, _ = MATMUL_TARGETS[jnp.dtype(weight.dtype)]
+    target, _ = targets[jnp.dtype(weight.dtype)]
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, columns), jnp.float32))
     rounded = x.astype(weight.dtype).astype(jnp.float32)
     return call(rounded, weight, contraction_last=contraction_last)

@@ -28,6 +28,7 @@ SOURCES = tuple(
 HEADERS = tuple(
     os.path.join(_HERE, name)
     for name in (
+        "cpu_native_matmul_shape.h",
         "cpu_native_parallel.h",
         "cpu_native_vectors.h",
         "cpu_paged_attention_lanes.h",

@@ -3,6 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from matmul_cases import exact_product, random_case
 
 from pallas_kernels import MIN_BLOCKED_ROWS, blocked_matmul_cpu, blocked_matmul_reads, small_matmul_reference
 from pallas_kernels.native_library import native_kernel_error
@@ -16,31 +17,14 @@ SHAPES = [(576, 192), (1536, 576), (200, 100), (37, 70), (16, 17), (3, 5)]
 ROWS = [1, 5, 9, 13, 32, 64, 130]
 
 
-def _case(seed, rows, depth, columns, dtype, contraction_last):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((rows, depth)).astype(np.float32)
-    weight = rng.standard_normal((columns, depth) if contraction_last else (depth, columns)).astype(np.float32)
-    return jnp.asarray(x), jnp.asarray(weight, dtype)
-
-
-def _exact(x, weight, contraction_last):
-    """x (rounded to the weight's dtype) @ weight in float64, and the f32 summation error bound
-    depth * eps * (|x| @ |weight|) that any order of f32 sums stays within."""
-    rounded = np.asarray(x.astype(weight.dtype).astype(jnp.float32), np.float64)
-    wide = np.asarray(weight.astype(jnp.float32), np.float64)
-    wide = wide.T if contraction_last else wide
-    bound = x.shape[1] * np.finfo(np.float32).eps * (np.abs(rounded) @ np.abs(wide))
-    return rounded @ wide, bound
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("contraction_last", [False, True], ids=["KN", "NK"])
 def test_every_row_count_and_shape_is_within_f32_summation_error_of_the_exact_product(dtype, contraction_last):
     for index, (depth, columns) in enumerate(SHAPES):
         for rows in ROWS:
-            x, weight = _case(index * 1000 + rows, rows, depth, columns, dtype, contraction_last)
+            x, weight = random_case(index * 1000 + rows, rows, depth, columns, dtype, contraction_last)
             out = np.asarray(blocked_matmul_cpu(x, weight, contraction_last=contraction_last))
-            exact, bound = _exact(x, weight, contraction_last)
+            exact, bound = exact_product(x, weight, contraction_last)
             assert out.shape == (rows, columns)
             assert np.all(np.abs(out - exact) <= bound), (depth, columns, rows)
         reference = np.asarray(small_matmul_reference(x, weight, contraction_last=contraction_last))
@@ -50,7 +34,7 @@ def test_every_row_count_and_shape_is_within_f32_summation_error_of_the_exact_pr
 @pytest.mark.parametrize("contraction_last", [False, True], ids=["KN", "NK"])
 def test_a_rows_result_does_not_depend_on_the_other_rows(contraction_last):
     """Bit for bit: each output sums over K in one order whatever else is in the batch (batch invariance)."""
-    x, weight = _case(7, 32, 1536, 200, "bfloat16", contraction_last)
+    x, weight = random_case(7, 32, 1536, 200, "bfloat16", contraction_last)
     together = np.asarray(blocked_matmul_cpu(x, weight, contraction_last=contraction_last))
     for row in (0, 5, 6, 31):  # first and last of a full tile, first of the next, the remainder tile's
         alone = np.asarray(blocked_matmul_cpu(x[row : row + 1], weight, contraction_last=contraction_last))
@@ -62,7 +46,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(contraction_last):
 
 
 def test_what_the_kernel_does_not_take_is_refused_naming_the_fix():
-    x, weight = _case(0, 16, 16, 16, "float32", False)
+    x, weight = random_case(0, 16, 16, 16, "float32", False)
     with pytest.raises(ValueError, match="the weight is"):
         blocked_matmul_cpu(x, weight[:8])
     with pytest.raises(ValueError, match="f32 or bf16 weights, not int8"):

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from matmul_cases import exact_product, random_case
 
 from models.layers import project
 from pallas_kernels import MAX_NATIVE_ROWS, small_matmul_cpu, small_matmul_reference
@@ -15,31 +16,14 @@ pytestmark = pytest.mark.skipif(native_kernel_error() is not None, reason=f"no n
 SHAPES = [(576, 192), (1536, 576), (37, 100), (16, 17), (3, 5), (64, 200)]
 
 
-def _case(seed, rows, depth, columns, dtype, contraction_last):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((rows, depth)).astype(np.float32)
-    weight = rng.standard_normal((columns, depth) if contraction_last else (depth, columns)).astype(np.float32)
-    return jnp.asarray(x), jnp.asarray(weight, dtype)
-
-
-def _exact(x, weight, contraction_last):
-    """x (rounded to the weight's dtype, as the kernel's contract says) @ weight in float64, and the float32
-    summation error bound depth * eps * (|x| @ |weight|) that any order of f32 sums stays within."""
-    rounded = np.asarray(x.astype(weight.dtype).astype(jnp.float32), np.float64)
-    wide = np.asarray(weight.astype(jnp.float32), np.float64)
-    wide = wide.T if contraction_last else wide
-    bound = x.shape[1] * np.finfo(np.float32).eps * (np.abs(rounded) @ np.abs(wide))
-    return rounded @ wide, bound
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("contraction_last", [False, True], ids=["KN", "NK"])
 def test_every_row_count_and_shape_is_within_f32_summation_error_of_the_exact_product(dtype, contraction_last):
     for index, (depth, columns) in enumerate(SHAPES):
         for rows in (1, 3, MAX_NATIVE_ROWS):  # one row, a ragged tile (4-row groups plus rest), every row
-            x, weight = _case(index * 10 + rows, rows, depth, columns, dtype, contraction_last)
+            x, weight = random_case(index * 10 + rows, rows, depth, columns, dtype, contraction_last)
             out = np.asarray(small_matmul_cpu(x, weight, contraction_last=contraction_last))
-            exact, bound = _exact(x, weight, contraction_last)
+            exact, bound = exact_product(x, weight, contraction_last)
             assert out.shape == (rows, columns)
             assert np.all(np.abs(out - exact) <= bound), (depth, columns, rows)
         reference = np.asarray(small_matmul_reference(x, weight, contraction_last=contraction_last))
@@ -49,7 +33,7 @@ def test_every_row_count_and_shape_is_within_f32_summation_error_of_the_exact_pr
 @pytest.mark.parametrize("contraction_last", [False, True], ids=["KN", "NK"])
 def test_a_rows_result_does_not_depend_on_the_other_rows(contraction_last):
     """Bit for bit: each output sums over K in one order whatever else is in the batch (batch invariance)."""
-    x, weight = _case(7, MAX_NATIVE_ROWS, 1536, 576, "bfloat16", contraction_last)
+    x, weight = random_case(7, MAX_NATIVE_ROWS, 1536, 576, "bfloat16", contraction_last)
     together = np.asarray(small_matmul_cpu(x, weight, contraction_last=contraction_last))
     for row in range(MAX_NATIVE_ROWS):
         alone = np.asarray(small_matmul_cpu(x[row : row + 1], weight, contraction_last=contraction_last))
@@ -61,8 +45,8 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(contraction_last):
 
 
 def test_what_the_kernel_does_not_take_is_refused_naming_the_fix():
-    x, weight = _case(0, MAX_NATIVE_ROWS + 1, 16, 16, "float32", False)
-    with pytest.raises(ValueError, match="1 to 8 rows .* larger products go to XLA"):
+    x, weight = random_case(0, MAX_NATIVE_ROWS + 1, 16, 16, "float32", False)
+    with pytest.raises(ValueError, match="1 to 8 rows .* larger products go to the blocked kernel or XLA"):
         small_matmul_cpu(x, weight)
     with pytest.raises(ValueError, match="the weight is"):
         small_matmul_cpu(x[:2], weight[:8])
