@@ -230,6 +230,7 @@ ffi::Error BlockedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
                          ffi::ResultBuffer<ffi::F32> out) {
   MatmulShape shape;
   if (ffi::Error error = MatmulShapeOf(x, w, contraction_last, shape); error.failure()) return error;
+  if (WroteEmptyProduct(shape, out->typed_data())) return ffi::Error::Success();
   const W* w_data = reinterpret_cast<const W*>(w.untyped_data());
   if (contraction_last) {
     MatmulPanels(pool, x.typed_data(), Panels<W, true>{w_data, shape.k_size, shape.n_size}, out->typed_data(),

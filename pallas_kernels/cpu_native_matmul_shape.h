@@ -21,4 +21,12 @@ inline ffi::Error MatmulShapeOf(const ffi::Buffer<ffi::F32>& x, const ffi::AnyBu
   return ffi::Error::Success();
 }
 
+// Whether the product has nothing to multiply (no rows, columns or contraction); out, if it has any elements, is
+// then zeros.
+inline bool WroteEmptyProduct(const MatmulShape& shape, float* out) {
+  if (shape.t_size > 0 && shape.n_size > 0 && shape.k_size > 0) return false;
+  std::fill(out, out + shape.t_size * shape.n_size, 0.0f);
+  return true;
+}
+
 #endif  // PAXKV_CPU_NATIVE_MATMUL_SHAPE_H_

@@ -138,6 +138,7 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
                        ffi::ResultBuffer<ffi::F32> out) {
   MatmulShape shape;
   if (ffi::Error error = MatmulShapeOf(x, w, contraction_last, shape); error.failure()) return error;
+  if (WroteEmptyProduct(shape, out->typed_data())) return ffi::Error::Success();
   const W* w_data = reinterpret_cast<const W*>(w.untyped_data());
   if (contraction_last) {
     MatmulNk(pool, x.typed_data(), w_data, out->typed_data(), shape.t_size, shape.k_size, shape.n_size);

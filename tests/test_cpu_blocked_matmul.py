@@ -5,7 +5,13 @@ import numpy as np
 import pytest
 from matmul_cases import exact_product, random_case
 
-from pallas_kernels import MIN_BLOCKED_ROWS, blocked_matmul_cpu, blocked_matmul_reads, small_matmul_reference
+from pallas_kernels import (
+    MIN_BLOCKED_ROWS,
+    blocked_matmul_cpu,
+    blocked_matmul_reads,
+    small_matmul_cpu,
+    small_matmul_reference,
+)
 from pallas_kernels.native_library import native_kernel_error
 
 pytestmark = pytest.mark.skipif(native_kernel_error() is not None, reason=f"no native kernels: {native_kernel_error()}")
@@ -43,6 +49,15 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(contraction_last):
     np.testing.assert_array_equal(
         np.asarray(blocked_matmul_cpu(other, weight, contraction_last=contraction_last))[0], together[0]
     )
+
+
+@pytest.mark.parametrize("contraction_last", [False, True], ids=["KN", "NK"])
+def test_empty_products_are_empty_or_zeros(contraction_last):
+    for kernel, rows in ((blocked_matmul_cpu, 12), (small_matmul_cpu, 3)):
+        x, weight = random_case(3, rows, 0, 20, "float32", contraction_last)  # no contraction: zeros
+        np.testing.assert_array_equal(np.asarray(kernel(x, weight, contraction_last=contraction_last)), 0.0)
+    x, weight = random_case(3, 0, 16, 20, "float32", contraction_last)  # no rows
+    assert blocked_matmul_cpu(x, weight, contraction_last=contraction_last).shape == (0, 20)
 
 
 def test_what_the_kernel_does_not_take_is_refused_naming_the_fix():
