@@ -3,7 +3,7 @@ beside the same pure-jnp reference as the small-row kernel (cpu_small_matmul.sma
 
 From about 9 rows a decode batch's matmul is bound by arithmetic. XLA:CPU runs SmolLM2's 32-row products at 65-90
 GFLOP/s; this kernel's register tiles (6 rows x 2 vectors of fused multiply-adds over weights packed a block at a
-time into the core's first-level cache, the next block prefetched) run them at about 110 (BUILD.md). bf16 weights
+time into the core's first-level cache, the next block prefetched) run them at about 125 (BUILD.md). bf16 weights
 are widened once while packing, so they run as fast as f32 ones, where XLA:CPU's bf16 products run at 55-65% of its
 f32 rate at 16-128 rows on a machine without AVX-512 BF16. Both weight layouts: [K, N] projections and the [N, K]
 tied embedding as the lm_head (its blocks transposed while packing).
