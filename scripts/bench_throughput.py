@@ -176,6 +176,39 @@ def _worker_env(system: str, threads: int, baseline: str | None) -> dict:
     return env
 
 
+def _cpu_busy_fraction(window_s: float) -> float | None:
+    """The share of the machine's CPU time spent busy over the next window_s seconds (/proc/stat); None elsewhere."""
+
+    def sample() -> tuple[int, int] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(value) for value in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields), idle
+
+    before = sample()
+    time.sleep(window_s)
+    after = sample()
+    if before is None or after is None or after[0] == before[0]:
+        return None
+    return 1.0 - (after[1] - before[1]) / (after[0] - before[0])
+
+
+def _settle(min_s: float, max_s: float = 15.0, busy_below: float = 0.1, window_s: float = 0.25) -> float:
+    """Wait min_s, then until the machine is idle (busy under busy_below of its CPU time over a window) or max_s has
+    passed: a peer's threads that still spin after its call (vllm's engine core) must not slow the next system's
+    call. Returns the seconds waited."""
+    start = time.perf_counter()
+    time.sleep(min_s)
+    while time.perf_counter() - start < max_s:
+        busy = _cpu_busy_fraction(window_s)
+        if busy is None or busy < busy_below:
+            break
+    return time.perf_counter() - start
+
+
 def _prompts(model_index: int, batch: int, call: int, prompt_len: int, vocab_size: int) -> list[list[int]]:
     """Random prompts for one call, the same for every system."""
     import numpy as np
@@ -285,12 +318,13 @@ class _ModelBench:
         """One generate call on one system with this call's prompts; None when the worker failed."""
         new_tokens = self.flags.new_tokens
         prompts = _prompts(self.model_index, batch, call_index, self.flags.prompt_len, self.vocab_size)
-        time.sleep(self.flags.settle_s)
+        waited = _settle(self.flags.settle_s) if self.flags.settle_s > 0 else 0.0
         try:
             reply = self.workers[system].request({"cmd": "run", "prompts": prompts, "new_tokens": new_tokens})
         except WorkerError as error:
             self._fail(system, batch, error)
             return None
+        reply["settle_s"] = waited
         if reply["generated"] != [new_tokens] * batch:
             message = f"generated {sorted(set(reply['generated']))} tokens per request, not {new_tokens}"
             self.result["errors"].append({"system": system, "model": self.model, "batch": batch, "message": message})
@@ -309,7 +343,10 @@ class _ModelBench:
                 if reply is not None:
                     runs[system].append(reply)
                     tokens_per_s = sum(reply["generated"]) / reply["wall_s"]
-                    print(f"   {self.model} batch {batch} {system}: {tokens_per_s:.1f} tok/s", file=sys.stderr)
+                    waited = f"after {reply['settle_s']:.1f} s of settling"
+                    print(
+                        f"   {self.model} batch {batch} {system}: {tokens_per_s:.1f} tok/s ({waited})", file=sys.stderr
+                    )
         first_tokens, digests = {}, {}
         for system, replies in runs.items():
             if replies:
@@ -367,7 +404,11 @@ def _define_flags():
     flags.DEFINE_integer("new_tokens", 128, "Tokens generated per request (EOS ignored).")
     flags.DEFINE_integer("repeats", 2, "Timed calls per (system, model, batch), after one warm-up; the best counts.")
     flags.DEFINE_float(
-        "settle_s", 0.5, "Pause before each call, so that the previous system's spinning threads idle.", lower_bound=0
+        "settle_s",
+        0.5,
+        "Pause before each call, then wait (up to 15 s) until the machine is idle, so that the previous system's "
+        "spinning threads do not slow it; 0 skips both.",
+        lower_bound=0,
     )
     flags.DEFINE_string(
         "systems", None, "Comma-separated systems; default paxkv,transformers, plus vllm when --vllm_python is given."
