@@ -5,7 +5,8 @@
 // A page's slots lie across SIMD lanes, kLanes at a time: each query row's scores against those slots are one
 // vector (its dot products with the keys, summed by a butterfly across the lanes), so the softmax's maximum,
 // exponentials and sum are vector operations, and the value update keeps the row's output in registers while it
-// walks the slots. One query row at a time, and each row's arithmetic never depends on the other rows of its run.
+// walks the slots. The softmax is updated once per 16 slots (kSlotSpan). One query row at a time, and each row's
+// arithmetic never depends on the other rows of its run.
 
 #ifndef PAXKV_CPU_PAGED_ATTENTION_LANES_H_
 #define PAXKV_CPU_PAGED_ATTENTION_LANES_H_
@@ -17,38 +18,57 @@ inline IntVec LaneIndices() {
   return lanes;
 }
 
-// One query row against slots [chunk, chunk + n) of a page (n <= kLanes), those in [lo, hi) visible: updates the
+// Slots per softmax update: 16 (two vectors of scores on AVX2, one on AVX-512), so that the update's serial part
+// (the horizontal maximum and sum, the rescale's exponential) is paid once per 16 slots, not per 8.
+constexpr int64_t kSlotVecs = kLanes >= 16 ? 1 : 16 / kLanes;
+constexpr int64_t kSlotSpan = kSlotVecs * kLanes;
+
+// One query row against slots [chunk, chunk + n) of a page (n <= kSlotSpan), those in [lo, hi) visible: updates the
 // row's running maximum, sum and output accumulator acc[kChunks * kLanes] (online softmax).
 template <int kChunks, typename T>
-inline void AttendSlotChunk(const Vec (&q)[kChunks], const T* keys, const T* values, int64_t row_width, int64_t n,
-                            int64_t lo, int64_t hi, float soft_cap, float& running_max, float& running_sum,
-                            float* acc) {
-  Vec partial[kLanes];
+inline void AttendSlotSpan(const Vec (&q)[kChunks], const T* keys, const T* values, int64_t row_width, int64_t n,
+                           int64_t lo, int64_t hi, float soft_cap, float& running_max, float& running_sum,
+                           float* acc) {
+  Vec scores[kSlotVecs];
+#pragma GCC unroll 4
+  for (int64_t b = 0; b < kSlotVecs; ++b) {
+    Vec partial[kLanes];
 #pragma GCC unroll 16
-  for (int64_t j = 0; j < kLanes; ++j) {
-    Vec dot = {};
-    if (j < n) {
-      const T* key = keys + j * row_width;
+    for (int64_t j = 0; j < kLanes; ++j) {
+      Vec dot = {};
+      if (b * kLanes + j < n) {
+        const T* key = keys + (b * kLanes + j) * row_width;
 #pragma GCC unroll 16
-      for (int c = 0; c < kChunks; ++c) dot += q[c] * LoadValues(key + c * kLanes);
+        for (int c = 0; c < kChunks; ++c) dot += q[c] * LoadValues(key + c * kLanes);
+      }
+      partial[j] = dot;
     }
-    partial[j] = dot;
-  }
-  Vec scores = SumEachLane(partial);  // lane j: slot j's score
-  if (soft_cap > 0.0f) {
-    for (int j = 0; j < kLanes; ++j) scores[j] = soft_cap * std::tanh(scores[j] / soft_cap);
+    scores[b] = SumEachLane(partial);  // lane j: slot b * kLanes + j's score
   }
   const IntVec lanes = LaneIndices();
-  const IntVec visible = (lanes >= static_cast<int32_t>(lo)) & (lanes < static_cast<int32_t>(hi));
-  scores = visible ? scores : Splat(kMaskValue);  // a select: garbage in unused slots never reaches the sums
-  const float new_max = std::max(running_max, HorizontalMax(scores));
+  IntVec visible[kSlotVecs];
+  Vec block_max = Splat(kMaskValue);
+  for (int64_t b = 0; b < kSlotVecs; ++b) {
+    if (soft_cap > 0.0f) {
+      for (int j = 0; j < kLanes; ++j) scores[b][j] = soft_cap * std::tanh(scores[b][j] / soft_cap);
+    }
+    const IntVec slot = lanes + static_cast<int32_t>(b * kLanes);
+    visible[b] = (slot >= static_cast<int32_t>(lo)) & (slot < static_cast<int32_t>(hi));
+    scores[b] = visible[b] ? scores[b] : Splat(kMaskValue);  // a select: garbage in unused slots never reaches the sums
+    block_max = Max(block_max, scores[b]);
+  }
+  const float new_max = std::max(running_max, HorizontalMax(block_max));
   const float rescale = std::exp(running_max - new_max);
-  Vec weights = Exp(scores - Splat(new_max));
-  weights = visible ? weights : Vec{};
-  running_sum = running_sum * rescale + HorizontalSum(weights);
+  float weight[kSlotSpan];
+  Vec total = {};
+  for (int64_t b = 0; b < kSlotVecs; ++b) {
+    Vec weights = Exp(scores[b] - Splat(new_max));
+    weights = visible[b] ? weights : Vec{};
+    total += weights;
+    StoreVec(weight + b * kLanes, weights);
+  }
+  running_sum = running_sum * rescale + HorizontalSum(total);
   running_max = new_max;
-  float weight[kLanes];
-  StoreVec(weight, weights);
   Vec out[kChunks];
 #pragma GCC unroll 16
   for (int c = 0; c < kChunks; ++c) out[c] = LoadVec(acc + c * kLanes) * rescale;
@@ -78,8 +98,8 @@ void AttendRunLanes(const Shapes& s, const float* q, const T* pages, const int32
     const int64_t page_id = PageAt(s, table, first / P);
     const T* page = pages + page_id * P * s.row_width + 2 * kv_head * D;  // this head's key in slot 0
     if (first + P < run_end) PrefetchPage(s, pages, table, first / P + 1, kv_head, D);
-    for (int64_t chunk = first; chunk < std::min(first + P, run_end); chunk += kLanes) {
-      const int64_t n = std::min<int64_t>(kLanes, first + P - chunk);
+    for (int64_t chunk = first; chunk < std::min(first + P, run_end); chunk += kSlotSpan) {
+      const int64_t n = std::min<int64_t>(kSlotSpan, first + P - chunk);
       const T* keys = page + (chunk - first) * s.row_width;
       for (int64_t i = 0; i < count; ++i) {
         const int64_t lo = std::max(chunk, ranges[i].start) - chunk;
@@ -90,8 +110,8 @@ void AttendRunLanes(const Shapes& s, const float* q, const T* pages, const int32
           const float* q_row = q + ((first_token + i) * s.num_q_heads + kv_head * G + g) * D;
           Vec q_vecs[kChunks];
           for (int c = 0; c < kChunks; ++c) q_vecs[c] = LoadVec(q_row + c * kLanes);
-          AttendSlotChunk<kChunks>(q_vecs, keys, keys + D, s.row_width, n, lo, hi, soft_cap, running_max[state],
-                                   running_sum[state], acc.data() + state * D);
+          AttendSlotSpan<kChunks>(q_vecs, keys, keys + D, s.row_width, n, lo, hi, soft_cap, running_max[state],
+                                  running_sum[state], acc.data() + state * D);
         }
       }
     }
