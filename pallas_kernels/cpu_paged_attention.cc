@@ -254,7 +254,7 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   const int32_t* position_data = positions.typed_data();
   const int32_t* kv_len_data = kv_lens.typed_data();
   float* out_data = out->typed_data();
-  const bool tiled = soft_cap <= 0.0f && s.head_dim % kTileSlots == 0;
+  const bool tiled = soft_cap <= 0.0f && s.head_dim % kLanes == 0;
   const std::vector<Run> runs = RowRuns(row_data, s.num_tokens, tiled ? kMaxTiledRunTokens : kMaxRunTokens);
   auto attend = [&](int64_t item) {
     const Run& run = runs[item / s.num_kv_heads];

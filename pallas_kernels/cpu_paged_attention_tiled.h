@@ -8,26 +8,22 @@
 constexpr int64_t kMinTiledRunTokens = 8;
 constexpr int64_t kMaxTiledRunTokens = 64;
 
-// The register tile: kTileSlots keys (or output dims) by kTileVecs vectors of query rows, sized to the register
-// file: with AVX-512 (32 registers of 16 lanes) 8 x 3 = 24 accumulators; with AVX2 (16 registers of 8 lanes) 4 x 2
-// for the values, and 6 x 2 for the scores (kScoreTileSlots: twelve chains of multiply-adds hide their latency, where
-// eight left a 2048-token prompt's attention at 74 ms a layer on SmolLM2's heads, against 64; the value tile has no
-// 6-row form, as head_dim is rarely a multiple of 6, and 4 dims x 3 vectors spilled).
-// (8 x 3 tiles of 16-lane vectors, two AVX2 registers each, spilled every accumulator to the stack there: a
-// 128-token prompt's attention took 5.7 ms a layer on SmolLM2's heads, against 0.56 ms with these.)
+// The score tile: kScoreTileSlots keys by kScoreVecs vectors of query rows, sized to the register file: with AVX-512
+// (32 registers of 16 lanes) 8 x 3 = 24 accumulators, with AVX2 (16 registers of 8 lanes) 6 x 2 = 12, chains enough
+// to hide the multiply-adds' latency (4 x 2 left a 2048-token prompt's attention at 74 ms a layer on SmolLM2's
+// heads, against 64). (8 x 3 tiles of 16-lane vectors, two AVX2 registers each, spilled every accumulator to the
+// stack there: a 128-token prompt's attention took 5.7 ms a layer, against 0.56 ms with 4 x 2.)
 #if defined(__AVX512F__)
-constexpr int64_t kTileSlots = 8;
-constexpr int64_t kTileVecs = 3;
 constexpr int64_t kScoreTileSlots = 8;
+constexpr int64_t kScoreVecs = 3;
 #else
-constexpr int64_t kTileSlots = 4;
-constexpr int64_t kTileVecs = 2;
 constexpr int64_t kScoreTileSlots = 6;
+constexpr int64_t kScoreVecs = 2;
 #endif
 
 // One work item's buffers, kept per thread: rows across lanes, `width` lanes per row of each.
 struct TiledScratch {
-  std::vector<float> q_t, out_t, weights, running_max, running_sum, rescale;
+  std::vector<float> q_t, out, weights, running_max, running_sum, rescale;
   std::vector<int32_t> starts, ends;
 };
 
@@ -35,69 +31,102 @@ struct TiledScratch {
 template <typename T>
 void ScoreSlots(const float* q_t, const T* keys, int64_t row_width, int64_t D, int64_t width, int64_t lo, int64_t hi,
                 float* weights) {
-  for (int64_t v0 = 0; v0 < width; v0 += kTileVecs * kLanes) {
+  for (int64_t v0 = 0; v0 < width; v0 += kScoreVecs * kLanes) {
     for (int64_t s0 = lo; s0 < hi; s0 += kScoreTileSlots) {
       const T* key_rows[kScoreTileSlots];
       for (int64_t j = 0; j < kScoreTileSlots; ++j) key_rows[j] = keys + std::min(s0 + j, hi - 1) * row_width;
-      Vec acc[kScoreTileSlots][kTileVecs] = {};
+      Vec acc[kScoreTileSlots][kScoreVecs] = {};
       for (int64_t d = 0; d < D; ++d) {
-        Vec q_vecs[kTileVecs];
+        Vec q_vecs[kScoreVecs];
 #pragma GCC unroll 3
-        for (int64_t c = 0; c < kTileVecs; ++c) q_vecs[c] = LoadVec(q_t + d * width + v0 + c * kLanes);
+        for (int64_t c = 0; c < kScoreVecs; ++c) q_vecs[c] = LoadVec(q_t + d * width + v0 + c * kLanes);
 #pragma GCC unroll 8
         for (int64_t j = 0; j < kScoreTileSlots; ++j) {
           const Vec key = Splat(LoadValue(key_rows[j] + d));
 #pragma GCC unroll 3
-          for (int64_t c = 0; c < kTileVecs; ++c) acc[j][c] += key * q_vecs[c];
+          for (int64_t c = 0; c < kScoreVecs; ++c) acc[j][c] += key * q_vecs[c];
         }
       }
       for (int64_t j = 0; j < kScoreTileSlots && s0 + j < hi; ++j) {
-        for (int64_t c = 0; c < kTileVecs; ++c) StoreVec(weights + (s0 + j) * width + v0 + c * kLanes, acc[j][c]);
+        for (int64_t c = 0; c < kScoreVecs; ++c) StoreVec(weights + (s0 + j) * width + v0 + c * kLanes, acc[j][c]);
       }
     }
   }
 }
 
-// out_t[d][lane] += sum over slots [lo, hi) of weights[slot][lane] * value[slot][d].
-template <typename T>
-void AccumulateValues(const float* weights, const T* values, int64_t row_width, int64_t D, int64_t width, int64_t lo,
-                      int64_t hi, float* out_t) {
-  for (int64_t d0 = 0; d0 < D; d0 += kTileSlots) {
-    for (int64_t v0 = 0; v0 < width; v0 += kTileVecs * kLanes) {
-      Vec acc[kTileSlots][kTileVecs];
-      for (int64_t j = 0; j < kTileSlots; ++j) {
-        for (int64_t c = 0; c < kTileVecs; ++c) acc[j][c] = LoadVec(out_t + (d0 + j) * width + v0 + c * kLanes);
-      }
-      for (int64_t slot = lo; slot < hi; ++slot) {
-        Vec w[kTileVecs];
-#pragma GCC unroll 3
-        for (int64_t c = 0; c < kTileVecs; ++c) w[c] = LoadVec(weights + slot * width + v0 + c * kLanes);
-        const T* value = values + slot * row_width + d0;
-#pragma GCC unroll 8
-        for (int64_t j = 0; j < kTileSlots; ++j) {
-          const Vec element = Splat(LoadValue(value + j));
-#pragma GCC unroll 3
-          for (int64_t c = 0; c < kTileVecs; ++c) acc[j][c] += element * w[c];
-        }
-      }
-      for (int64_t j = 0; j < kTileSlots; ++j) {
-        for (int64_t c = 0; c < kTileVecs; ++c) StoreVec(out_t + (d0 + j) * width + v0 + c * kLanes, acc[j][c]);
-      }
+// The value tile: kValueRows query rows (their weights broadcast) by kValueVecs vectors of head dims (the values
+// loaded as they lie in the page): 6 x 2 = 12 chains of multiply-adds on AVX2, as for the scores. (The transposed
+// tile, 4 dims x 2 vectors of rows over out[d][row], left 8 chains and took half the attention's time.)
+constexpr int64_t kValueRows = 6;
+constexpr int64_t kValueVecs = 2;
+
+// out[r0 + i][d0 : d0 + kVecs * kLanes] += sum over slots [lo, hi) of weights[slot][r0 + i] * value[slot][d0 : ...]
+// for i < kRows.
+template <int64_t kRows, int64_t kVecs, typename T>
+inline void ValueTile(const float* weights, const T* values, int64_t row_width, int64_t D, int64_t width, int64_t lo,
+                      int64_t hi, int64_t r0, int64_t d0, float* out) {
+  Vec acc[kRows][kVecs];
+  for (int64_t i = 0; i < kRows; ++i) {
+    for (int64_t c = 0; c < kVecs; ++c) acc[i][c] = LoadVec(out + (r0 + i) * D + d0 + c * kLanes);
+  }
+  for (int64_t slot = lo; slot < hi; ++slot) {
+    Vec value[kVecs];
+    for (int64_t c = 0; c < kVecs; ++c) value[c] = LoadValues(values + slot * row_width + d0 + c * kLanes);
+    const float* weight = weights + slot * width + r0;
+#pragma GCC unroll 6
+    for (int64_t i = 0; i < kRows; ++i) {
+      const Vec w = Splat(weight[i]);
+      for (int64_t c = 0; c < kVecs; ++c) acc[i][c] += w * value[c];
     }
   }
+  for (int64_t i = 0; i < kRows; ++i) {
+    for (int64_t c = 0; c < kVecs; ++c) StoreVec(out + (r0 + i) * D + d0 + c * kLanes, acc[i][c]);
+  }
+}
+
+// ValueTile for the `rows` (< kValueRows) rows left after the full tiles, in one tile of that height.
+template <int64_t kRows, int64_t kVecs, typename T>
+inline void ValueRestTile(int64_t rows, const float* weights, const T* values, int64_t row_width, int64_t D,
+                          int64_t width, int64_t lo, int64_t hi, int64_t r0, int64_t d0, float* out) {
+  if constexpr (kRows > 0) {
+    if (rows == kRows) return ValueTile<kRows, kVecs>(weights, values, row_width, D, width, lo, hi, r0, d0, out);
+    ValueRestTile<kRows - 1, kVecs>(rows, weights, values, row_width, D, width, lo, hi, r0, d0, out);
+  }
+}
+
+// out[row][d] += sum over slots [lo, hi) of weights[slot][row] * value[slot][d], rows < width (D a multiple of kLanes).
+template <int64_t kVecs, typename T>
+void AccumulateValueVecs(const float* weights, const T* values, int64_t row_width, int64_t D, int64_t width,
+                         int64_t lo, int64_t hi, int64_t d0, float* out) {
+  int64_t r0 = 0;
+  for (; r0 + kValueRows <= width; r0 += kValueRows) {
+    ValueTile<kValueRows, kVecs>(weights, values, row_width, D, width, lo, hi, r0, d0, out);
+  }
+  ValueRestTile<kValueRows - 1, kVecs>(width - r0, weights, values, row_width, D, width, lo, hi, r0, d0, out);
+}
+
+template <typename T>
+void AccumulateValues(const float* weights, const T* values, int64_t row_width, int64_t D, int64_t width, int64_t lo,
+                      int64_t hi, float* out) {
+  int64_t d0 = 0;
+  for (; d0 + kValueVecs * kLanes <= D; d0 += kValueVecs * kLanes) {
+    AccumulateValueVecs<kValueVecs>(weights, values, row_width, D, width, lo, hi, d0, out);
+  }
+  if (d0 < D) AccumulateValueVecs<1>(weights, values, row_width, D, width, lo, hi, d0, out);  // a last vector
 }
 
 // AttendRun's contract for a run of kMinTiledRunTokens to kMaxTiledRunTokens tokens, without a soft cap, and
-// head_dim a multiple of kTileSlots. Row r = i * G + g of the run is lane r of every [.][width] buffer.
+// head_dim a multiple of kLanes. Row r = i * G + g of the run is lane r of every [.][width] buffer, and row r of
+// out[width][D].
 template <typename T>
 void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32_t* block_tables, int64_t first_token,
                     int64_t count, int64_t kv_head, int32_t row, const int32_t* positions, const int32_t* kv_lens,
                     int64_t sliding_window, float* out) {
   const int64_t G = s.group, D = s.head_dim, P = s.page_size, num_rows = count * G;
-  const int64_t tile_rows = kTileVecs * kLanes, width = (num_rows + tile_rows - 1) / tile_rows * tile_rows;
+  const int64_t tile_rows = kScoreVecs * kLanes, width = (num_rows + tile_rows - 1) / tile_rows * tile_rows;
   thread_local TiledScratch scratch;
   scratch.q_t.assign(D * width, 0.0f);
-  scratch.out_t.assign(D * width, 0.0f);
+  scratch.out.assign(width * D, 0.0f);
   scratch.weights.resize(P * width);
   scratch.running_max.assign(width, kMaskValue);
   scratch.running_sum.assign(width, 0.0f);
@@ -160,13 +189,12 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
       StoreVec(scratch.running_sum.data() + v, sum);
       StoreVec(scratch.rescale.data() + v, rescale);
     }
-    for (int64_t d = 0; d < D; ++d) {
-      float* out_row = scratch.out_t.data() + d * width;
-      for (int64_t v = 0; v < width; v += kLanes) {
-        StoreVec(out_row + v, LoadVec(out_row + v) * LoadVec(scratch.rescale.data() + v));
-      }
+    for (int64_t r = 0; r < width; ++r) {
+      const Vec rescale = Splat(scratch.rescale[r]);
+      float* out_row = scratch.out.data() + r * D;
+      for (int64_t d = 0; d < D; d += kLanes) StoreVec(out_row + d, LoadVec(out_row + d) * rescale);
     }
-    AccumulateValues(weights, page + (2 * kv_head + 1) * D, s.row_width, D, width, lo, hi, scratch.out_t.data());
+    AccumulateValues(weights, page + (2 * kv_head + 1) * D, s.row_width, D, width, lo, hi, scratch.out.data());
   }
   for (int64_t i = 0; i < count; ++i) {
     float* out_heads = out + ((first_token + i) * s.num_q_heads + kv_head * G) * D;  // [G, D]
@@ -177,7 +205,7 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
         continue;
       }
       const float inverse = 1.0f / std::max(scratch.running_sum[lane], 1e-30f);
-      for (int64_t d = 0; d < D; ++d) out_heads[g * D + d] = scratch.out_t[d * width + lane] * inverse;
+      for (int64_t d = 0; d < D; ++d) out_heads[g * D + d] = scratch.out[lane * D + d] * inverse;
     }
   }
 }
