@@ -60,14 +60,15 @@ void ScoreSlots(const float* q_t, const T* keys, int64_t row_width, int64_t D, i
 constexpr int64_t kValueRows = 6;
 constexpr int64_t kValueVecs = 2;
 
-// out[r0 + i][d0 : d0 + kVecs * kLanes] += sum over slots [lo, hi) of weights[slot][r0 + i] * value[slot][d0 : ...]
-// for i < kRows.
+// out[r0 + i][d0 : d0 + kVecs * kLanes] = out[...] * rescale[r0 + i] + sum over slots [lo, hi) of
+// weights[slot][r0 + i] * value[slot][d0 : ...] for i < kRows (the online softmax's rescale folded in).
 template <int64_t kRows, int64_t kVecs, typename T>
 inline void ValueTile(const float* weights, const T* values, int64_t row_width, int64_t D, int64_t width, int64_t lo,
-                      int64_t hi, int64_t r0, int64_t d0, float* out) {
+                      int64_t hi, const float* rescale, int64_t r0, int64_t d0, float* out) {
   Vec acc[kRows][kVecs];
   for (int64_t i = 0; i < kRows; ++i) {
-    for (int64_t c = 0; c < kVecs; ++c) acc[i][c] = LoadVec(out + (r0 + i) * D + d0 + c * kLanes);
+    const Vec factor = Splat(rescale[r0 + i]);
+    for (int64_t c = 0; c < kVecs; ++c) acc[i][c] = LoadVec(out + (r0 + i) * D + d0 + c * kLanes) * factor;
   }
   for (int64_t slot = lo; slot < hi; ++slot) {
     Vec value[kVecs];
@@ -87,32 +88,38 @@ inline void ValueTile(const float* weights, const T* values, int64_t row_width, 
 // ValueTile for the `rows` (< kValueRows) rows left after the full tiles, in one tile of that height.
 template <int64_t kRows, int64_t kVecs, typename T>
 inline void ValueRestTile(int64_t rows, const float* weights, const T* values, int64_t row_width, int64_t D,
-                          int64_t width, int64_t lo, int64_t hi, int64_t r0, int64_t d0, float* out) {
+                          int64_t width, int64_t lo, int64_t hi, const float* rescale, int64_t r0, int64_t d0,
+                          float* out) {
   if constexpr (kRows > 0) {
-    if (rows == kRows) return ValueTile<kRows, kVecs>(weights, values, row_width, D, width, lo, hi, r0, d0, out);
-    ValueRestTile<kRows - 1, kVecs>(rows, weights, values, row_width, D, width, lo, hi, r0, d0, out);
+    if (rows == kRows) {
+      return ValueTile<kRows, kVecs>(weights, values, row_width, D, width, lo, hi, rescale, r0, d0, out);
+    }
+    ValueRestTile<kRows - 1, kVecs>(rows, weights, values, row_width, D, width, lo, hi, rescale, r0, d0, out);
   }
 }
 
-// out[row][d] += sum over slots [lo, hi) of weights[slot][row] * value[slot][d], rows < width (D a multiple of kLanes).
+// out[row][d] = out[row][d] * rescale[row] + sum over slots [lo, hi) of weights[slot][row] * value[slot][d], for
+// rows < width, d in one band of kVecs vectors from d0.
 template <int64_t kVecs, typename T>
 void AccumulateValueVecs(const float* weights, const T* values, int64_t row_width, int64_t D, int64_t width,
-                         int64_t lo, int64_t hi, int64_t d0, float* out) {
+                         int64_t lo, int64_t hi, const float* rescale, int64_t d0, float* out) {
   int64_t r0 = 0;
   for (; r0 + kValueRows <= width; r0 += kValueRows) {
-    ValueTile<kValueRows, kVecs>(weights, values, row_width, D, width, lo, hi, r0, d0, out);
+    ValueTile<kValueRows, kVecs>(weights, values, row_width, D, width, lo, hi, rescale, r0, d0, out);
   }
-  ValueRestTile<kValueRows - 1, kVecs>(width - r0, weights, values, row_width, D, width, lo, hi, r0, d0, out);
+  ValueRestTile<kValueRows - 1, kVecs>(width - r0, weights, values, row_width, D, width, lo, hi, rescale, r0, d0,
+                                       out);
 }
 
+// AccumulateValueVecs over every d (D a multiple of kLanes).
 template <typename T>
 void AccumulateValues(const float* weights, const T* values, int64_t row_width, int64_t D, int64_t width, int64_t lo,
-                      int64_t hi, float* out) {
+                      int64_t hi, const float* rescale, float* out) {
   int64_t d0 = 0;
   for (; d0 + kValueVecs * kLanes <= D; d0 += kValueVecs * kLanes) {
-    AccumulateValueVecs<kValueVecs>(weights, values, row_width, D, width, lo, hi, d0, out);
+    AccumulateValueVecs<kValueVecs>(weights, values, row_width, D, width, lo, hi, rescale, d0, out);
   }
-  if (d0 < D) AccumulateValueVecs<1>(weights, values, row_width, D, width, lo, hi, d0, out);  // a last vector
+  if (d0 < D) AccumulateValueVecs<1>(weights, values, row_width, D, width, lo, hi, rescale, d0, out);  // a last one
 }
 
 // AttendRun's contract for a run of kMinTiledRunTokens to kMaxTiledRunTokens tokens, without a soft cap, and
@@ -189,12 +196,8 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
       StoreVec(scratch.running_sum.data() + v, sum);
       StoreVec(scratch.rescale.data() + v, rescale);
     }
-    for (int64_t r = 0; r < width; ++r) {
-      const Vec rescale = Splat(scratch.rescale[r]);
-      float* out_row = scratch.out.data() + r * D;
-      for (int64_t d = 0; d < D; d += kLanes) StoreVec(out_row + d, LoadVec(out_row + d) * rescale);
-    }
-    AccumulateValues(weights, page + (2 * kv_head + 1) * D, s.row_width, D, width, lo, hi, scratch.out.data());
+    AccumulateValues(weights, page + (2 * kv_head + 1) * D, s.row_width, D, width, lo, hi, scratch.rescale.data(),
+                     scratch.out.data());
   }
   for (int64_t i = 0; i < count; ++i) {
     float* out_heads = out + ((first_token + i) * s.num_q_heads + kv_head * G) * D;  // [G, D]
