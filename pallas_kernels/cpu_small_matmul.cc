@@ -51,7 +51,29 @@ void KnRows(const float* x, const W* w, float* partial, int64_t t_size, int64_t 
   int64_t k = k0;
   for (; k + kDepthStep <= k1; k += kDepthStep) {
     const W* rows = w + k * n_size;
-    for (int64_t n = 0; n < vector_end; n += kLanes) {
+    int64_t n = 0;
+    // Two vectors of columns at a time: each x value broadcast serves two multiply-adds (the loads, not the
+    // multiply-adds, bound this loop at 8 rows). Each output's sum runs over k in the same order either way.
+    for (; n + 2 * kLanes <= vector_end; n += 2 * kLanes) {
+      Vec left[kDepthStep], right[kDepthStep];
+      for (int64_t d = 0; d < kDepthStep; ++d) {
+        left[d] = LoadValues(rows + d * n_size + n);
+        right[d] = LoadValues(rows + d * n_size + n + kLanes);
+      }
+      for (int64_t t = 0; t < t_size; ++t) {
+        const float* xt = x + t * k_size + k;
+        float* sums = partial + t * n_size + n;
+        Vec acc_left = LoadVec(sums), acc_right = LoadVec(sums + kLanes);
+        for (int64_t d = 0; d < kDepthStep; ++d) {
+          const Vec value = Splat(xt[d]);
+          acc_left += value * left[d];
+          acc_right += value * right[d];
+        }
+        StoreVec(sums, acc_left);
+        StoreVec(sums + kLanes, acc_right);
+      }
+    }
+    for (; n < vector_end; n += kLanes) {
       Vec weights[kDepthStep];
       for (int64_t d = 0; d < kDepthStep; ++d) weights[d] = LoadValues(rows + d * n_size + n);
       for (int64_t t = 0; t < t_size; ++t) {
