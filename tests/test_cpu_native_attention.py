@@ -140,8 +140,9 @@ def test_prefill_chunks_of_random_layouts(seed):
 
 @pytest.mark.parametrize("head_dim,soft_cap", [(20, None), (64, 3.0)])
 def test_prefill_chunks_the_tiled_path_does_not_take(head_dim, soft_cap):
-    """A head_dim that is not a multiple of 8, or a soft cap, keep every run on the short-run paths (cut every 16
-    tokens): one dot product per key for head_dim 20, slots across lanes for 64."""
+    """A head_dim that is not a multiple of the vector width (8 lanes with AVX2, 16 with AVX-512), or a soft cap, keep
+    every run on the short-run paths (cut every 16 tokens): one dot product per key for head_dim 20, slots across
+    lanes for 64."""
     case = make_case(
         7,
         kv_lens=[150, 90],
