@@ -68,7 +68,7 @@ import tempfile
 import time
 
 from throughput_models import RANDOM_LLAMA, RANDOM_LLAMA_SEED, save_random_llama, save_smollm2_hf
-from throughput_process import Worker, WorkerError
+from throughput_process import Worker, WorkerError, settle
 from throughput_report import MATMUL_SIZE, READ_BYTES, add_derived, markdown, plot  # scripts/ is on sys.path
 
 MODELS = ("smollm2", "random_llama")
@@ -174,39 +174,6 @@ def _worker_env(system: str, threads: int, baseline: str | None) -> dict:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     return env
-
-
-def _cpu_busy_fraction(window_s: float) -> float | None:
-    """The share of the machine's CPU time spent busy over the next window_s seconds (/proc/stat); None elsewhere."""
-
-    def sample() -> tuple[int, int] | None:
-        try:
-            with open("/proc/stat") as f:
-                fields = [int(value) for value in f.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-        return sum(fields), idle
-
-    before = sample()
-    time.sleep(window_s)
-    after = sample()
-    if before is None or after is None or after[0] == before[0]:
-        return None
-    return 1.0 - (after[1] - before[1]) / (after[0] - before[0])
-
-
-def _settle(min_s: float, max_s: float = 15.0, busy_below: float = 0.1, window_s: float = 0.25) -> float:
-    """Wait min_s, then until the machine is idle (busy under busy_below of its CPU time over a window) or max_s has
-    passed: a peer's threads that still spin after its call (vllm's engine core) must not slow the next system's
-    call. Returns the seconds waited."""
-    start = time.perf_counter()
-    time.sleep(min_s)
-    while time.perf_counter() - start < max_s:
-        busy = _cpu_busy_fraction(window_s)
-        if busy is None or busy < busy_below:
-            break
-    return time.perf_counter() - start
 
 
 def _prompts(model_index: int, batch: int, call: int, prompt_len: int, vocab_size: int) -> list[list[int]]:
@@ -318,7 +285,7 @@ class _ModelBench:
         """One generate call on one system with this call's prompts; None when the worker failed."""
         new_tokens = self.flags.new_tokens
         prompts = _prompts(self.model_index, batch, call_index, self.flags.prompt_len, self.vocab_size)
-        waited = _settle(self.flags.settle_s) if self.flags.settle_s > 0 else 0.0
+        waited = settle(self.flags.settle_s) if self.flags.settle_s > 0 else 0.0
         try:
             reply = self.workers[system].request({"cmd": "run", "prompts": prompts, "new_tokens": new_tokens})
         except WorkerError as error:
@@ -404,11 +371,7 @@ def _define_flags():
     flags.DEFINE_integer("new_tokens", 128, "Tokens generated per request (EOS ignored).")
     flags.DEFINE_integer("repeats", 2, "Timed calls per (system, model, batch), after one warm-up; the best counts.")
     flags.DEFINE_float(
-        "settle_s",
-        0.5,
-        "Pause before each call, then wait (up to 15 s) until the machine is idle, so that the previous system's "
-        "spinning threads do not slow it; 0 skips both.",
-        lower_bound=0,
+        "settle_s", 0.5, "Pause before each call, then wait until the machine is idle; 0 skips both.", lower_bound=0
     )
     flags.DEFINE_string(
         "systems", None, "Comma-separated systems; default paxkv,transformers, plus vllm when --vllm_python is given."

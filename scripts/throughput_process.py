@@ -1,5 +1,5 @@
 """The parent's side of scripts/bench_throughput.py's worker protocol: start a worker, send it JSON commands,
-read its JSON answers (throughput_worker.py is the other side)."""
+read its JSON answers (throughput_worker.py is the other side), and let the machine settle between calls."""
 
 import json
 import os
@@ -11,6 +11,39 @@ import time
 
 WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "throughput_worker.py")
 REPLY_TIMEOUT_S = 3600
+
+
+def cpu_busy_fraction(window_s: float) -> float | None:
+    """The share of the machine's CPU time spent busy over the next window_s seconds (/proc/stat); None elsewhere."""
+
+    def sample() -> tuple[int, int] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(value) for value in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields), idle
+
+    before = sample()
+    time.sleep(window_s)
+    after = sample()
+    if before is None or after is None or after[0] == before[0]:
+        return None
+    return 1.0 - (after[1] - before[1]) / (after[0] - before[0])
+
+
+def settle(min_s: float, max_s: float = 15.0, busy_below: float = 0.1, window_s: float = 0.25) -> float:
+    """Wait min_s, then until the machine is idle (busy under busy_below of its CPU time over a window) or max_s has
+    passed: a peer's threads that still spin after its call (vllm's engine core) must not slow the next system's
+    call. Returns the seconds waited."""
+    start = time.perf_counter()
+    time.sleep(min_s)
+    while time.perf_counter() - start < max_s:
+        busy = cpu_busy_fraction(window_s)
+        if busy is None or busy < busy_below:
+            break
+    return time.perf_counter() - start
 
 
 class WorkerError(RuntimeError):

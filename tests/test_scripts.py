@@ -316,15 +316,15 @@ def test_bench_throughput_settles_until_the_machine_is_idle(monkeypatch):
     """Before each call the benchmark waits until the CPU is idle (a peer's threads still spinning would slow the next
     system), and gives up at its limit on a machine that stays busy."""
     monkeypatch.syspath_prepend(SCRIPTS)
-    import bench_throughput
+    import throughput_process
 
-    assert 0.0 <= bench_throughput._cpu_busy_fraction(0.05) <= 1.0  # this machine's /proc/stat
+    assert 0.0 <= throughput_process.cpu_busy_fraction(0.05) <= 1.0  # this machine's /proc/stat
     readings = iter([0.9, 0.6, 0.05, 0.0])
-    monkeypatch.setattr(bench_throughput, "_cpu_busy_fraction", lambda window_s: next(readings))
-    bench_throughput._settle(0.0, max_s=5.0)
+    monkeypatch.setattr(throughput_process, "cpu_busy_fraction", lambda window_s: next(readings))
+    throughput_process.settle(0.0, max_s=5.0)
     assert next(readings) == 0.0  # it read the machine until the first idle window, and no further
-    monkeypatch.setattr(bench_throughput, "_cpu_busy_fraction", lambda window_s: time.sleep(0.01) or 1.0)
-    assert 0.1 <= bench_throughput._settle(0.0, max_s=0.1) < 1.0
+    monkeypatch.setattr(throughput_process, "cpu_busy_fraction", lambda window_s: time.sleep(0.01) or 1.0)
+    assert 0.1 <= throughput_process.settle(0.0, max_s=0.1) < 1.0
 
 
 def test_throughput_report_gives_bf16_its_own_ratio_column(monkeypatch):
