@@ -100,7 +100,9 @@ def _device_split(engine, loaded, rounds: int = 20) -> dict:
         return q, write_kv(kv_pages, k, v, metadata.slots)
 
     def nothing(q, k, v, kv_pages, metadata, **kwargs):
-        return q, kv_pages
+        # k and v stay used (a sum, times zero: XLA keeps float x * 0, which may be NaN), or XLA would drop their
+        # projections and RoPE too, and kv_write_ms would count them.
+        return q + 0.0 * (jnp.sum(k) + jnp.sum(v)), kv_pages
 
     def no_mlp(self, x):
         return jnp.zeros_like(x)
