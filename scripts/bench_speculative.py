@@ -9,9 +9,11 @@ Two workloads on the embedded SmolLM2 (or --model), f32 weights (or --dtype), gr
 - "open": short open questions, where drafts rarely come up, and adaptive speculation should cost nothing.
 
 Each (workload, temperature, batch) runs plain decoding, adaptive speculation and always-on speculation, one
-after the other, `--warmups` untimed times (they compile the step programs and fill the prefix cache) and then
-`--repeats` timed times. Every configuration must generate the same tokens as plain decoding (seeded sampling
-included; the run fails otherwise). Writes <out>.json, <out>.md and <out>.png.
+after the other, `--warmups` untimed times (they compile the step programs and fill the prefix cache; more, up to
+`--max_warmups`, while the last one still compiled a program: adaptive speculation compiles a new step shape only
+once the work repays it, so it may take several runs to reach its steady state) and then `--repeats` timed
+times. Every configuration must generate the same tokens as plain decoding (seeded sampling included; the run fails
+otherwise). Writes <out>.json, <out>.md and <out>.png.
 """
 
 import json
@@ -32,6 +34,9 @@ flags.DEFINE_integer("max_tokens", 64, "Tokens generated per request.")
 flags.DEFINE_integer("num_speculative_tokens", 4, "Most drafts per request and step.")
 flags.DEFINE_integer("repeats", 2, "Timed runs per configuration.")
 flags.DEFINE_integer("warmups", 2, "Untimed runs per configuration first, which compile the shapes the runs take.")
+flags.DEFINE_integer(
+    "max_warmups", 8, "Untimed runs, up to this many in all, while the last one compiled a step program (steady state)."
+)
 flags.DEFINE_integer("passage_chars", 4000, "Characters per passage of the copy workload (about 1k tokens).")
 flags.DEFINE_integer("min_padded_seqs", None, "The row floor (EngineConfig.min_padded_seqs; default: the engine's).")
 flags.DEFINE_integer("min_padded_tokens", 1, "The token floor (EngineConfig.min_padded_tokens).")
@@ -187,7 +192,10 @@ def main(argv):
         counters = {}
         compiled = {name: 0 for name in configs}
         mismatched = {name: 0 for name in configs}
-        for repeat in range(FLAGS.warmups + FLAGS.repeats):
+        num_warmups = FLAGS.warmups
+        repeat = 0
+        while repeat < num_warmups + FLAGS.repeats:
+            compiled_in_run = False
             for name, llm in engines.items():
                 programs = len(llm.engine.runner.step_shapes)
                 seconds, tokens, counts = _run(llm, prompts, FLAGS.max_tokens, temperature)
@@ -198,10 +206,14 @@ def main(argv):
                 mismatched[name] = max(mismatched[name], sum(t != r for t, r in zip(tokens, reference, strict=True)))
                 if temperature == 0 and mismatched[name]:
                     raise SystemExit(f"{name} changed greedy tokens ({workload}, batch {batch})")
-                if repeat >= FLAGS.warmups:
+                compiled_in_run |= len(llm.engine.runner.step_shapes) > programs
+                if repeat >= num_warmups:
                     times[name].append(seconds)
                     counters[name] = counts
                     compiled[name] += len(llm.engine.runner.step_shapes) - programs
+            if repeat == num_warmups - 1 and compiled_in_run and num_warmups < FLAGS.max_warmups:
+                num_warmups += 1  # a warm-up still compiled: one more, so the timed runs see the steady state
+            repeat += 1
         generated = sum(len(t) for t in reference)
         plain_seconds = statistics.median(times["plain"])
         for name in configs:
@@ -224,6 +236,7 @@ def main(argv):
                     seconds=times[name],
                     # Step programs first seen in the timed runs (their compile time is in the figure).
                     programs_compiled_while_timed=compiled[name],
+                    warmup_runs=num_warmups,
                     requests_differing_from_plain=mismatched[name],
                 )
             )

@@ -236,7 +236,8 @@ def test_bench_speculative_compares_ngram_and_a_draft_model_with_plain_decoding(
     """Both workloads, greedy and sampled, with the tiny model as its own draft; the script itself fails if a
     configuration changes a greedy token, and counts requests whose sampled tokens differ."""
     out = tmp_path / "speculative"
-    argv = ["--batches=2", "--temperatures=0,0.8", "--max_tokens=12", "--warmups=1", "--repeats=1", f"--out={out}"]
+    argv = ["--batches=2", "--temperatures=0,0.8", "--max_tokens=12", "--warmups=1", "--max_warmups=1", "--repeats=1"]
+    argv += [f"--out={out}"]
     argv += ["--passage_chars=40", f"--draft_model={tiny_model_with_tokenizer}"]  # the tiny model's context: 128
     # Every step padded to 16 rows and the whole token budget: 4 step programs, not 11 (19.4 to 14.1 s alone).
     argv += ["--min_padded_seqs=16", "--min_padded_tokens=512"]
@@ -247,6 +248,7 @@ def test_bench_speculative_compares_ngram_and_a_draft_model_with_plain_decoding(
     rows = {(r["workload"], r["temperature"], r["batch"], r["config"]): r for r in result["rows"]}
     assert len(rows) == 2 * 2 * 5 and all(r["tokens_per_s"] > 0 for r in rows.values())
     assert all(r["requests_differing_from_plain"] == 0 for r in rows.values())  # no near-tie on this model
+    assert all(r["warmup_runs"] == 1 for r in rows.values())  # --max_warmups caps the steady-state warm-ups
     assert all(rows[(*key[:3], "plain")]["drafts"] == 0 and rows[(*key[:3], "plain")]["speedup"] == 1.0 for key in rows)
     assert sum(rows[key]["drafts"] for key in rows if key[3] == "ngram_always") > 0
     # Its own greedy drafts are the target's next tokens: every one stands.

@@ -128,6 +128,33 @@ def test_the_budget_drafts_only_where_the_measured_step_costs_pay():
     assert rejected.draft_gains(DraftStats(), 2) == pytest.approx([1 / 3, 1 / 6])  # the prior, shrunk by one miss
 
 
+def test_the_budget_compiles_a_step_shape_only_where_the_work_repays_the_compile():
+    likely = [0.9, 0.9, 0.9, 0.9]
+    budget = DraftBudget()
+    budget.observe_step(8, 0.010)
+    budget.observe_step(16, 0.010)
+    budget.observe_compile(2.0)  # a compile costs 200 plain steps here
+    only_8_drafts = {8: True}.get  # the program of 16 tokens with 8 drafts exists; no other
+
+    def allot(remaining_tokens):
+        return sum(budget.allot(8, 8, [likely] * 8, room=100, compiled=lambda c: only_8_drafts(c, False),
+                                remaining_tokens=remaining_tokens))  # fmt: skip
+
+    # 8 drafts ride the compiled 16-token program; 24 (a 32-token step, not compiled, hoped to cost what 16 tokens
+    # do) would emit ~1.9x as many tokens a step, too little over 100 tokens to repay a compile, enough over 10000.
+    assert allot(remaining_tokens=100) == 8
+    assert allot(remaining_tokens=10_000) == 24
+    budget.observe_emitted(10_000)  # what the engine emitted so far counts as work to come
+    assert allot(remaining_tokens=100) == 24
+    # Nothing compiled and nothing measured to compare against: no compile, no drafts.
+    fresh = DraftBudget()
+    assert fresh.allot(2, 2, [[0.5, 0.25]] * 2, room=10, compiled=lambda c: False, remaining_tokens=10**6) == [0, 0]
+    # The mean time of the steps that compiled is what a compile is taken to cost.
+    fresh.observe_compile(1.0)
+    fresh.observe_compile(3.0)
+    assert fresh.compile_seconds == pytest.approx(2.0)
+
+
 def test_processes_that_plan_together_draft_every_proposal(caplog):
     """Step times differ between hosts, and every process must plan the same batches: with several processes the
     budget drafts every proposal instead of deciding from local times, and says so."""
@@ -249,6 +276,11 @@ def test_greedy_output_is_unchanged_by_speculation(loaded, greedy_reference, pre
     # at least 16 (a draft row per drafted token: up to 4 a row).
     shapes = engine.runner.step_shapes
     assert {s[1] for s in shapes} == {16} and min(s[-1] for s in shapes if s[-1]) == 16
+    # The runner knows which programs it has (what the adaptive budget asks before a step would compile one): every
+    # draft-row bucket it ran, and not one it never did (up to 4 drafts on each of 16 rows: never 128).
+    draft_row_buckets = {s[-1] for s in shapes}
+    assert all(engine.runner.has_compiled(5 + r, 5, False, r) for r in draft_row_buckets)
+    assert 128 not in draft_row_buckets and not engine.runner.has_compiled(5 + 128, 5, False, 128)
 
 
 def test_a_draft_model_leaves_greedy_output_unchanged_through_preemption_by_swap(

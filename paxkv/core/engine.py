@@ -47,10 +47,12 @@ class Engine:
         draft = load_draft_model(speculative, loaded, self.mesh, self.max_model_len)  # None unless draft_model
         self.pool = pool = KVPool(loaded.config, config, loaded.model.compute_dtype, self.mesh, draft and draft.config)
         self.preemption = PreemptionPolicy(pool.preemption_mode, pool.bytes_per_page, pool.num_host_slots)
-        self.drafter = Drafter(speculative, num_processes=jax.process_count()) if speculative is not None else None
         self.runner = ModelRunner(
             loaded, pool, self.preemption, config, max_model_len=self.max_model_len, mesh=self.mesh, draft=draft
         )
+        self.drafter = None
+        if speculative is not None:
+            self.drafter = Drafter(speculative, jax.process_count(), has_compiled=self.runner.has_compiled)
         self.scheduler = Scheduler(
             num_replicas=pool.num_replicas,
             pages_per_replica=pool.pages_per_replica,
@@ -145,7 +147,9 @@ class Engine:
             if sequence.completes_prompt
         }
         new_tokens = {request_id: [int(sampled.tokens[c]) for c in rows] for request_id, rows in emitted.items()}
-        if self.drafter is not None and not self.runner.last_step_compiled:  # the step's cost at its T (per replica)
+        if self.drafter is not None and self.runner.last_step_compiled:  # what trying an unseen shape costs
+            self.drafter.budget.observe_compile(time.monotonic() - start)
+        elif self.drafter is not None:  # the step's cost at its T (per replica)
             num_tokens = max(replica.num_batched_tokens for replica in batch.replica_batches)
             self.drafter.budget.observe_step(num_tokens, time.monotonic() - start)
         outcome = self.scheduler.update(batch, new_tokens)
@@ -153,6 +157,8 @@ class Engine:
         taken = {request_id: emitted[request_id][:count] for request_id, count in outcome.num_taken.items()}
         outputs, finished = self.outputs.process(batch, sampled, taken, self.scheduler)
         num_generated = sum(int(sampled.tokens[c]) != NONFINITE_TOKEN for rows in taken.values() for c in rows)
+        if self.drafter is not None:
+            self.drafter.budget.observe_emitted(num_generated)
         self.metrics.record_step(start, self.scheduler, batch.num_batched_tokens, peak_pages, finished, num_generated)
         self.metrics.num_pages_swapped = self.runner.num_pages_swapped
         self.metrics.num_compilations = self.num_compilations

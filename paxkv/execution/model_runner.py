@@ -17,7 +17,7 @@ from paxkv.execution.draft_proposer import DraftModelProposer
 from paxkv.execution.kv_pool import KVPool
 from paxkv.execution.step import SampledTokens, StepBatch, copy_pages, page_copy_arrays, run_step, static_graph
 from paxkv.execution.step_arguments import build_step_batch, empty_step_batch
-from paxkv.execution.step_inputs import StepPadding
+from paxkv.execution.step_inputs import StepPadding, padded_draft_rows, padded_sizes
 from paxkv.execution.verification import emitted_candidates
 from paxkv.parallel.distributed import host_value
 from paxkv.scheduling.preemption import PreemptionPolicy
@@ -225,6 +225,21 @@ class ModelRunner:
     def draft_layers(self) -> list:
         """The draft model's layers of the pool (none without one)."""
         return self.pool.kv_caches[self.pool.num_target_layers :]
+
+    def has_compiled(self, num_tokens: int, num_seqs: int, prefills: bool, num_drafts: int) -> bool:
+        """Whether this runner has run the forward program a step of `num_tokens` tokens (`num_drafts` of them
+        drafts) in `num_seqs` rows pads to, so that such a step would not compile (padded_sizes).
+
+        Args:
+          num_tokens: the step's tokens, drafts included.
+          num_seqs: its sequence rows.
+          prefills: whether a row runs more than one token besides its drafts.
+          num_drafts: its drafts.
+        """
+        budgets = self.config.max_num_batched_tokens, self.config.max_num_seqs
+        num_tokens, num_seqs = padded_sizes(num_tokens, num_seqs, prefills, *budgets, self.padding)
+        num_draft_rows = padded_draft_rows(num_drafts, budgets[0], self.padding)
+        return (num_tokens, num_seqs, num_draft_rows) in self._forward_shapes
 
     def _record(self, shape: tuple) -> bool:
         """Note a step's shape; whether its forward (T, S, R) or its sampling (S, optional parts, R) was new."""

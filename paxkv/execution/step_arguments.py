@@ -5,10 +5,15 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from models.paged_forward import bucket
 from paxkv.execution.sampler import SamplingArrays
 from paxkv.execution.step import StepBatch
-from paxkv.execution.step_inputs import NO_PADDING, StepInputs, StepPadding, shared_padded_sizes
+from paxkv.execution.step_inputs import (
+    NO_PADDING,
+    StepInputs,
+    StepPadding,
+    padded_draft_rows,
+    shared_padded_sizes,
+)
 from paxkv.execution.verification import DraftRows, num_draft_rows
 from paxkv.scheduling.scheduled_batch import ReplicaBatch, ScheduledBatch
 from paxkv.scheduling.stopping import holds_back_stops, stop_token_ids
@@ -42,8 +47,7 @@ def build_step_batch(
     needed = [vocab_arrays_needed(b) for b in batch.replica_batches]
     force = (any(n[0] for n in needed), any(n[1] for n in needed))
     most_drafts = max(num_draft_rows(b) for b in batch.replica_batches)
-    # R: a power of two of at least the padding's rows (as S), or no draft rows.
-    padded_drafts = bucket(max(most_drafts, padding.row_floor(max_num_batched_tokens))) if most_drafts else 0
+    padded_drafts = padded_draft_rows(most_drafts, max_num_batched_tokens, padding)
 
     def replica_batch(replica: ReplicaBatch) -> StepBatch:
         inputs = StepInputs.from_batch(

@@ -72,12 +72,33 @@ def padded_batch_sizes(
 ) -> tuple[int, int]:
     """(T, S): the token and row buckets a batch pads to; S at least the padding's rows, T at least S (a decode of
     S rows is T = S) and at least the padding's tokens."""
-    num_tokens = batch.num_batched_tokens
-    if any(s.num_new_tokens - s.num_draft_tokens > 1 for s in batch.sequences):  # drafts alone are no prefill
+    prefills = any(s.num_new_tokens - s.num_draft_tokens > 1 for s in batch.sequences)  # drafts alone are no prefill
+    return padded_sizes(
+        batch.num_batched_tokens, batch.num_seqs, prefills, max_num_batched_tokens, max_num_seqs, padding
+    )
+
+
+def padded_sizes(
+    num_tokens: int,
+    num_seqs: int,
+    prefills: bool,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    padding: StepPadding = NO_PADDING,
+) -> tuple[int, int]:
+    """(T, S) for a step of `num_tokens` tokens in `num_seqs` rows, `prefills` when a row runs more than one token
+    besides its drafts (padded_batch_sizes)."""
+    if prefills:
         num_tokens = max(num_tokens, MIN_PREFILL_TOKENS)
-    num_seqs = power_of_two_bucket(max(batch.num_seqs, padding.row_floor(max_num_batched_tokens)), max_num_seqs)
+    num_seqs = power_of_two_bucket(max(num_seqs, padding.row_floor(max_num_batched_tokens)), max_num_seqs)
     num_tokens = max(num_tokens, num_seqs, padding.token_floor(max_num_batched_tokens))
     return power_of_two_bucket(num_tokens, max_num_batched_tokens), num_seqs
+
+
+def padded_draft_rows(num_drafts: int, max_num_batched_tokens: int, padding: StepPadding = NO_PADDING) -> int:
+    """R: the draft rows a step of `num_drafts` drafts pads to, a power of two of at least the padding's rows (as
+    S), or 0 without drafts."""
+    return bucket(max(num_drafts, padding.row_floor(max_num_batched_tokens))) if num_drafts else 0
 
 
 def shared_padded_sizes(

@@ -6,9 +6,17 @@ The budget measures that cost curve as it runs, per padded token bucket, and how
 a step stands (drafts stand or fall together: a copy that goes well goes well for several tokens, so the rate of
 the j-th is measured, not taken as the first's to the j-th power), and per step drafts the tokens that raise the
 expected tokens per second, most likely first, or none.
+
+A step whose shape has no compiled program yet also costs its compile (seconds for a 30-layer model on CPU), which
+the step-cost curve does not show. Such a step is tried only when the drafts would repay that compile, at their most
+hopeful (costing no more than the largest step measured), over the tokens the running rows still have to emit plus
+as many as the engine has emitted so far: the work to come is taken to be as large as the work done (a ski-rental
+rule: a long-lived engine learns every shape worth having, and one short call never pays a compile it cannot win
+back).
 """
 
 import dataclasses
+from collections.abc import Callable
 
 from models.paged_forward import bucket
 
@@ -17,6 +25,8 @@ PRIOR_WEIGHT = 2.0
 PRIOR_ACCEPTANCE = 0.5
 # Exponential moving average weight of a new step-time sample per token bucket.
 COST_SMOOTHING = 0.3
+# What a compile is taken to cost before one is measured.
+DEFAULT_COMPILE_SECONDS = 1.0
 
 
 @dataclasses.dataclass
@@ -36,6 +46,9 @@ class DraftBudget:
         """
         self.adaptive = adaptive
         self.step_seconds: dict[int, float] = {}  # padded token bucket -> smoothed step time
+        self.compile_seconds = DEFAULT_COMPILE_SECONDS  # mean time of the steps that compiled
+        self.num_compiled_steps = 0
+        self.num_emitted = 0  # tokens the engine has emitted so far
         self.num_drafts = 0
         self.num_accepted = 0
         self.num_verifying_rows = 0  # sequence-steps that verified at least one draft
@@ -85,6 +98,25 @@ class DraftBudget:
         known = self.step_seconds.get(key)
         self.step_seconds[key] = seconds if known is None else known + COST_SMOOTHING * (seconds - known)
 
+    def observe_compile(self, seconds: float) -> None:
+        """Record the wall time of a step that compiled its program (what trying an unseen shape costs)."""
+        self.num_compiled_steps += 1
+        known = self.compile_seconds if self.num_compiled_steps > 1 else seconds
+        self.compile_seconds = known + (seconds - known) / self.num_compiled_steps
+
+    def observe_emitted(self, num_tokens: int) -> None:
+        """Record the tokens a step emitted."""
+        self.num_emitted += num_tokens
+
+    def repays_compile(self, expected: float, cost: float, best_rate: float | None, remaining_tokens: int) -> bool:
+        """Whether a step emitting `expected` tokens in `cost` seconds, against the best rate available without
+        compiling (tokens per second), would save more than a compile over `remaining_tokens` tokens and as many as
+        the engine has emitted so far."""
+        if best_rate is None or cost <= 0:
+            return False  # nothing to compare with yet
+        saving = (remaining_tokens + self.num_emitted) * (1.0 / best_rate - cost / expected)
+        return saving > self.compile_seconds
+
     def step_cost(self, num_tokens: int) -> float | None:
         """The expected time of a step of `num_tokens` tokens, from the measured buckets: its own; else on the line
         between the measured buckets around it; the bucket just above the largest measured one costs the same as
@@ -110,17 +142,28 @@ class DraftBudget:
             return known[min(above)]
         return known[max(below)] if key == 2 * max(below) else None
 
-    def allot(self, num_tokens: int, num_emitting: int, candidates: list[list[float]], room: int) -> list[int]:
+    def allot(
+        self,
+        num_tokens: int,
+        num_emitting: int,
+        candidates: list[list[float]],
+        room: int,
+        compiled: Callable[[int], bool] | None = None,
+        remaining_tokens: int = 0,
+    ) -> list[int]:
         """How many drafts each candidate verifies this step.
 
         Drafts are taken in order of their expected gain (draft_gains), and the count chosen maximizes (emitted
-        tokens) / (step cost) over the token buckets it spans.
+        tokens) / (step cost) over the token buckets it spans, among the counts whose step has a compiled program
+        or would repay compiling one (repays_compile).
 
         Args:
           num_tokens: tokens the step runs before any drafts.
           num_emitting: rows that emit a token this step without drafts.
           candidates: per decoding row, the gain of each draft it proposes (non-increasing).
           room: the most drafts the token budget allows.
+          compiled: count of drafts -> whether the step with them has a compiled program; None: all have.
+          remaining_tokens: tokens the decoding rows may still emit (what a compile is repaid over).
         """
         if not self.adaptive:
             counts, left = [], room
@@ -142,6 +185,9 @@ class DraftBudget:
             cost = self.step_cost(num_tokens + count)
             if cost is None:
                 break  # a bucket beyond the next unmeasured one: not yet
+            if compiled is not None and not compiled(count):
+                if not self.repays_compile(expected, cost, best_rate, remaining_tokens):
+                    continue  # a larger count may still run a compiled program (another draft-row bucket)
             if best_rate is None or cost <= 0:  # nothing measured yet: try it, and learn
                 best_count, best_rate = count, None
                 continue

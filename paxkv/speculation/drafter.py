@@ -3,6 +3,7 @@ DraftBudget, decides how many of them the step verifies."""
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 from paxkv.config import SpeculativeConfig
 from paxkv.scheduling.request import Request
@@ -29,10 +30,17 @@ class Drafter:
     """Drafts for the decoding requests of one engine (every replica), and their record: prompt-lookup drafts, or
     placeholders for a draft model's (which runs on the devices, after scheduling)."""
 
-    def __init__(self, config: SpeculativeConfig, num_processes: int = 1):
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        num_processes: int = 1,
+        has_compiled: Callable[[int, int, bool, int], bool] | None = None,
+    ):
         """Args:
         config: the method, draft length and n-gram sizes.
         num_processes: the processes that plan the same batches (jax.process_count()).
+        has_compiled: (tokens, rows, prefills, drafts) -> whether such a step's program is compiled
+          (ModelRunner.has_compiled); None: take every step as compiled.
         """
         if config.adaptive and num_processes > 1:
             # Every process must plan the same batches, and step times differ between hosts: use none of them.
@@ -40,6 +48,7 @@ class Drafter:
                            "every proposal instead", num_processes)  # fmt: skip
             config = dataclasses.replace(config, adaptive=False)
         self.config = config
+        self.has_compiled = has_compiled
         self.budget = DraftBudget(adaptive=config.adaptive)
         self._indexes: dict[str, NgramIndex] = {}
         self._stats: dict[str, DraftStats] = {}
@@ -75,13 +84,14 @@ class Drafter:
           token_budget: tokens the step may still take.
           max_model_len: the most tokens a request may reach.
         """
-        rows, proposals = [], []
+        rows, proposals, remaining_tokens = [], [], 0
         for index, sequence in enumerate(sequences):
             request = sequence.request
             if sequence.num_new_tokens != 1 or not sequence.completes_prompt:
                 continue  # prefill chunks verify nothing
             params = request.sampling_params
             room = min(params.max_tokens - request.num_output_tokens, max_model_len - request.num_tokens)
+            remaining_tokens += room
             drafts = self.propose(request, room - 1)  # the step emits up to len(drafts) + 1 tokens
             if drafts:
                 rows.append(index)
@@ -93,7 +103,15 @@ class Drafter:
             for i, d in zip(rows, proposals, strict=True)
         ]
         num_emitting = sum(sequence.completes_prompt for sequence in sequences)
-        counts = self.budget.allot(num_tokens, num_emitting, candidates, token_budget)
+        compiled = None
+        if self.has_compiled is not None:
+            prefills = any(sequence.num_new_tokens > 1 for sequence in sequences)
+            num_rows = len(sequences)
+
+            def compiled(count: int) -> bool:
+                return self.has_compiled(num_tokens + count, num_rows, prefills, count)
+
+        counts = self.budget.allot(num_tokens, num_emitting, candidates, token_budget, compiled, remaining_tokens)
         return [(i, d[:c]) for i, d, c in zip(rows, proposals, counts, strict=True) if c]
 
     def observe_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
