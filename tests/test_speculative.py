@@ -113,6 +113,15 @@ def test_the_budget_drafts_only_where_the_measured_step_costs_pay():
     assert sum(exploring.allot(32, 32, [likely] * 32, room=400)) == 96
     exploring.observe_step(128, 0.380)
     assert sum(exploring.allot(32, 32, [likely] * 32, room=400)) == 0  # measured: none pays
+    # Drafts add rows of logits: a program measured with them costs what it measured, not its T's plain cost.
+    with_rows = DraftBudget()
+    with_rows.observe_step(8, 0.010)
+    with_rows.observe_step(16, 0.010)  # plain steps of 8 and 16 tokens cost the same
+    assert sum(with_rows.allot(8, 8, [likely] * 8, room=8)) == 8
+    with_rows.observe_step(16, 0.030, num_drafts=8)  # with 8 drafts the 16-token step took three times as long
+    assert sum(with_rows.allot(8, 8, [likely] * 8, room=8)) == 0
+    # Unmeasured, a step of more tokens and drafts costs at least what that one did.
+    assert with_rows.step_cost(24, num_drafts=16) == pytest.approx(0.030)
     unknown = DraftBudget()
     assert unknown.allot(2, 2, [[0.5, 0.25]] * 2, room=10) == [2, 2]  # nothing measured: try, and learn
     assert DraftBudget(adaptive=False).allot(32, 32, [[0.0] * 3] * 2, room=4) == [3, 1]

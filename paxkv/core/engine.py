@@ -19,6 +19,7 @@ from paxkv.execution.kv_pool import KVPool
 from paxkv.execution.model_runner import ModelRunner
 from paxkv.execution.step import num_step_compilations
 from paxkv.execution.step_inputs import num_buckets
+from paxkv.execution.verification import num_draft_rows
 from paxkv.parallel.mesh import engine_mesh
 from paxkv.scheduling.preemption import PreemptionPolicy
 from paxkv.scheduling.request import Request
@@ -149,9 +150,10 @@ class Engine:
         new_tokens = {request_id: [int(sampled.tokens[c]) for c in rows] for request_id, rows in emitted.items()}
         if self.drafter is not None and self.runner.last_step_compiled:  # what trying an unseen shape costs
             self.drafter.budget.observe_compile(time.monotonic() - start)
-        elif self.drafter is not None:  # the step's cost at its T (per replica)
+        elif self.drafter is not None:  # the step's cost at its T and R (per replica)
             num_tokens = max(replica.num_batched_tokens for replica in batch.replica_batches)
-            self.drafter.budget.observe_step(num_tokens, time.monotonic() - start)
+            num_drafts = max(num_draft_rows(replica) for replica in batch.replica_batches)
+            self.drafter.budget.observe_step(num_tokens, time.monotonic() - start, num_drafts)
         outcome = self.scheduler.update(batch, new_tokens)
         self.outputs.adopt(outcome.forked)
         taken = {request_id: emitted[request_id][:count] for request_id, count in outcome.num_taken.items()}

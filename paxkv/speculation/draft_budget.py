@@ -2,15 +2,15 @@
 
 Drafts are extra query tokens of the ragged step, so speculation pays where a step's cost grows slowly with its
 token count (decoding is memory-bound at small batches) and loses where it is compute-bound (large batches).
-The budget measures that cost curve as it runs, per padded token bucket, and how often the draft at each place of
-a step stands (drafts stand or fall together: a copy that goes well goes well for several tokens, so the rate of
-the j-th is measured, not taken as the first's to the j-th power), and per step drafts the tokens that raise the
-expected tokens per second, most likely first, or none.
+The budget measures that cost curve as it runs, per padded token bucket and per (token bucket, draft bucket), and
+how often the draft at each place of a step stands (drafts stand or fall together: a copy that goes well goes well
+for several tokens, so the rate of the j-th is measured, not taken as the first's to the j-th power), and per step
+drafts the tokens that raise the expected tokens per second, most likely first, or none.
 
 A step whose shape has no compiled program yet also costs its compile (seconds for a 30-layer model on CPU), which
-the step-cost curve does not show. Such a step is tried only when the drafts would repay that compile, at their most
-hopeful (costing no more than the largest step measured), over the tokens the running rows still have to emit plus
-as many as the engine has emitted so far: the work to come is taken to be as large as the work done (a ski-rental
+the step-cost curve does not show. Such a step is tried only when the drafts would repay that compile, at its
+estimated cost and against the best compiled choice, over the tokens the running rows still have to emit plus as
+many as the engine has emitted so far: the work to come is taken to be as large as the work done (a ski-rental
 rule: a long-lived engine learns every shape worth having, and one short call never pays a compile it cannot win
 back).
 """
@@ -45,7 +45,8 @@ class DraftBudget:
         adaptive: decide from the measurements; False drafts every proposed token.
         """
         self.adaptive = adaptive
-        self.step_seconds: dict[int, float] = {}  # padded token bucket -> smoothed step time
+        self.step_seconds: dict[int, float] = {}  # padded token bucket -> smoothed step time, any drafts
+        self.program_seconds: dict[tuple[int, int], float] = {}  # (token bucket, draft bucket) -> smoothed step time
         self.compile_seconds = DEFAULT_COMPILE_SECONDS  # mean time of the steps that compiled
         self.num_compiled_steps = 0
         self.num_emitted = 0  # tokens the engine has emitted so far
@@ -92,11 +93,16 @@ class DraftBudget:
             for j in range(upto):
                 counts[j] += 1
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """Record a step's wall time, keyed by its token count's bucket (steps that compiled should not be given)."""
-        key = bucket(num_tokens)
-        known = self.step_seconds.get(key)
-        self.step_seconds[key] = seconds if known is None else known + COST_SMOOTHING * (seconds - known)
+    def observe_step(self, num_tokens: int, seconds: float, num_drafts: int = 0) -> None:
+        """Record a step's wall time (steps that compiled should not be given), keyed by its token count's bucket, and
+        by that and its draft count's bucket: drafts add rows of logits and sampling that a step of as many tokens
+        without them does not pay."""
+        for table, key in (
+            (self.step_seconds, bucket(num_tokens)),
+            (self.program_seconds, _program(num_tokens, num_drafts)),
+        ):
+            known = table.get(key)
+            table[key] = seconds if known is None else known + COST_SMOOTHING * (seconds - known)
 
     def observe_compile(self, seconds: float) -> None:
         """Record the wall time of a step that compiled its program (what trying an unseen shape costs)."""
@@ -117,17 +123,30 @@ class DraftBudget:
         saving = (remaining_tokens + self.num_emitted) * (1.0 / best_rate - cost / expected)
         return saving > self.compile_seconds
 
-    def step_cost(self, num_tokens: int) -> float | None:
-        """The expected time of a step of `num_tokens` tokens, from the measured buckets: its own; else on the line
-        between the measured buckets around it; the bucket just above the largest measured one costs the same as
-        that one (optimistic: it is tried once, and then known), and any bucket beyond is None (not tried before
-        the one below it is known). 0 where nothing is measured yet.
+    def step_cost(self, num_tokens: int, num_drafts: int = 0) -> float | None:
+        """The expected time of a step of `num_tokens` tokens, `num_drafts` of them drafts: as measured for its token
+        and draft buckets where it was. Else from the token buckets: its own; else on the line between the measured
+        buckets around it; the bucket just above the largest measured one costs the same as that one (optimistic:
+        it is tried once, and then known), and any bucket beyond is None (not tried before the one below it is
+        known); and never less than a measured step of no more tokens and no more drafts costs. 0 where nothing is
+        measured yet.
 
         Step costs are not linear in the tokens (on CPU a one-row matmul is a matrix-vector product and two rows
         are not), so the curve is measured rather than extrapolated, one bucket at a time: learning costs one
         bigger step, and one compilation, per bucket.
         """
-        key = bucket(num_tokens)
+        program = _program(num_tokens, num_drafts)
+        measured = self.program_seconds.get(program)
+        if measured is not None:
+            return measured
+        estimate = self._token_curve(bucket(num_tokens))
+        if estimate is None:
+            return None
+        smaller = [seconds for (t, r), seconds in self.program_seconds.items() if t <= program[0] and r <= program[1]]
+        return max([estimate, *smaller])
+
+    def _token_curve(self, key: int) -> float | None:
+        """step_cost from the token buckets alone (any drafts)."""
         known = self.step_seconds
         if key in known:
             return known[key]
@@ -177,17 +196,22 @@ class DraftBudget:
         best_count, expected = 0, float(num_emitting)
         base_cost = self.step_cost(num_tokens)
         best_rate = expected / base_cost if base_cost else None
+        compiled_rate = best_rate  # the best without compiling anything: what a compile must beat
         for count, (gain, _) in enumerate(gains, start=1):
             expected += gain
-            next_is_same_bucket = count < len(gains) and bucket(num_tokens + count + 1) == bucket(num_tokens + count)
-            if next_is_same_bucket:
-                continue  # within a bucket the cost is flat: only its last count can be the best
-            cost = self.step_cost(num_tokens + count)
+            next_is_same_program = count < len(gains) and _program(num_tokens + count + 1, count + 1) == _program(
+                num_tokens + count, count
+            )
+            if next_is_same_program:
+                continue  # within a program's buckets the cost is flat: only its last count can be the best
+            cost = self.step_cost(num_tokens + count, count)
             if cost is None:
                 break  # a bucket beyond the next unmeasured one: not yet
-            if compiled is not None and not compiled(count):
-                if not self.repays_compile(expected, cost, best_rate, remaining_tokens):
-                    continue  # a larger count may still run a compiled program (another draft-row bucket)
+            ready = compiled is None or compiled(count)
+            if not ready and not self.repays_compile(expected, cost, compiled_rate, remaining_tokens):
+                continue  # a larger count may still run a compiled program (another draft-row bucket)
+            if ready and compiled_rate is not None and cost > 0:
+                compiled_rate = max(compiled_rate, expected / cost)
             if best_rate is None or cost <= 0:  # nothing measured yet: try it, and learn
                 best_count, best_rate = count, None
                 continue
@@ -197,3 +221,8 @@ class DraftBudget:
         for _, row in gains[:best_count]:
             counts[row] += 1
         return counts
+
+
+def _program(num_tokens: int, num_drafts: int) -> tuple[int, int]:
+    """A step's (token bucket, draft bucket): what its cost is measured by (0 for no drafts)."""
+    return bucket(num_tokens), bucket(num_drafts) if num_drafts else 0
