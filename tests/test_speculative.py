@@ -143,10 +143,9 @@ def test_the_budget_compiles_a_step_shape_only_where_the_work_repays_the_compile
     budget.observe_step(8, 0.010)
     budget.observe_step(16, 0.010)
     budget.observe_compile(2.0)  # a compile costs 200 plain steps here
-    only_8_drafts = {8: True}.get  # the program of 16 tokens with 8 drafts exists; no other
 
-    def allot(remaining_tokens):
-        return sum(budget.allot(8, 8, [likely] * 8, room=100, compiled=lambda c: only_8_drafts(c, False),
+    def allot(remaining_tokens):  # only the program of 16 tokens with 8 drafts exists
+        return sum(budget.allot(8, 8, [likely] * 8, room=100, compiled=lambda count: count == 8,
                                 remaining_tokens=remaining_tokens))  # fmt: skip
 
     # 8 drafts ride the compiled 16-token program; 24 (a 32-token step, not compiled, hoped to cost what 16 tokens
