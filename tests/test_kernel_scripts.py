@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from subprocess_env import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,3 +40,16 @@ def test_pallas_kernels_import_on_their_own():
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_device_engine_check_compares_token_by_token():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import device_engine_check
+
+    same = {"0": [1, 2, 3, 4], "1": [5, 6]}
+    assert device_engine_check.agreement(same, same) == 1.0
+    assert device_engine_check.agreement(same, {"0": [1, 2, 9, 9], "1": [5, 6]}) == 4 / 6
+    with pytest.raises(ValueError):  # a run that stopped early is not a partial agreement
+        device_engine_check.agreement(same, {"0": [1, 2, 3], "1": [5, 6]})
+    assert device_engine_check._on_this_backend("pallas") == "interpret"  # the suite runs on CPU
+    assert device_engine_check._on_this_backend("xla") == "xla"
