@@ -19,8 +19,9 @@ from paxkv.speculation.ngram_proposer import NgramIndex
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
-def rescan_proposal(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """The proposal by a full rescan: the longest recurring suffix, its latest earlier end, wrapped past the end."""
+def rescan_proposal(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[list[int], int]:
+    """The proposal by a full rescan: the longest recurring suffix, its latest earlier end, wrapped past the end;
+    and that suffix's length."""
     length = len(tokens)
     for n in range(min(max_n, length), min_n - 1, -1):
         suffix = tokens[length - n :]
@@ -29,8 +30,8 @@ def rescan_proposal(tokens: list[int], min_n: int, max_n: int, k: int) -> list[i
             virtual = list(tokens)
             for i in range(k):
                 virtual.append(virtual[max(ends) + i])
-            return virtual[length:]
-    return []
+            return virtual[length:], n
+    return [], 0
 
 
 @settings(max_examples=60, deadline=None)
@@ -55,9 +56,9 @@ def test_the_index_proposes_what_a_rescan_finds_as_tokens_arrive(tokens, growth,
 def test_the_index_prefers_the_longest_match_and_continues_a_loop():
     index = NgramIndex(1, 3)
     # "7 8 9" recurs: after "... 7 8 9" comes "4"; the 1-gram "9" alone would also match the first "9 4".
-    assert index.propose([7, 8, 9, 4, 5, 9, 6, 7, 8, 9], [], 3) == [4, 5, 9]
-    assert NgramIndex(1, 2).propose([1, 2, 1, 2], [], 5) == [1, 2, 1, 2, 1]  # a loop keeps looping
-    assert NgramIndex(1, 2).propose([1, 2, 3], [], 4) == []  # nothing recurs
+    assert index.propose([7, 8, 9, 4, 5, 9, 6, 7, 8, 9], [], 3) == ([4, 5, 9], 3)
+    assert NgramIndex(1, 2).propose([1, 2, 1, 2], [], 5) == ([1, 2, 1, 2, 1], 2)  # a loop keeps looping
+    assert NgramIndex(1, 2).propose([1, 2, 3], [], 4) == ([], 0)  # nothing recurs
     with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max"):
         NgramIndex(3, 2)
 
@@ -135,6 +136,29 @@ def test_the_budget_drafts_only_where_the_measured_step_costs_pay():
     rejected = DraftBudget()
     rejected.observe_verified(DraftStats(), 3, 0)
     assert rejected.draft_gains(DraftStats(), 2) == pytest.approx([1 / 3, 1 / 6])  # the prior, shrunk by one miss
+
+
+def test_acceptance_is_learned_per_kind_of_proposal_and_per_request():
+    """Long prompt-lookup matches that stand do not make chance 1-token matches look as good, and the reverse."""
+    budget = DraftBudget()
+    for _ in range(40):  # a copying workload: 4-token matches, every draft stands
+        budget.observe_verified(DraftStats(), 4, 4, kind=4)
+    assert budget.draft_gains(DraftStats(), 4, kind=4)[3] > 0.9
+    unseen = budget.draft_gains(DraftStats(), 4, kind=1)
+    assert unseen[0] > 0.6  # an unseen kind starts from what the others did
+    for _ in range(10):  # open text: 1-token matches by chance, none stands
+        budget.observe_verified(DraftStats(), 4, 0, kind=1)
+    # 10 misses against a prior of 2 drafts at the copies' rate (41 / 42): 2 * (41 / 42) / 12.
+    assert budget.draft_gains(DraftStats(), 4, kind=1)[0] == pytest.approx(2 * (41 / 42) / 12)
+    assert budget.draft_gains(DraftStats(), 4, kind=4)[3] > 0.9  # the copies' record is untouched
+    # A request whose drafts stand less often than the records expected is scaled down, and the reverse.
+    doubted, trusted = DraftStats(), DraftStats()
+    for _ in range(5):
+        budget.observe_verified(doubted, 4, 0, kind=4)
+        budget.observe_verified(trusted, 4, 4, kind=1)
+    assert doubted.num_expected > 15 and trusted.num_expected < 10  # against 0 and 20 accepted
+    assert budget.draft_gains(doubted, 1, kind=4)[0] < 0.2
+    assert budget.draft_gains(DraftStats(), 1, kind=1)[0] < 0.5 < budget.draft_gains(trusted, 1, kind=1)[0] == 1.0
 
 
 def test_the_budget_compiles_a_step_shape_only_where_the_work_repays_the_compile():

@@ -7,6 +7,12 @@ how often the draft at each place of a step stands (drafts stand or fall togethe
 for several tokens, so the rate of the j-th is measured, not taken as the first's to the j-th power), and per step
 drafts the tokens that raise the expected tokens per second, most likely first, or none.
 
+Acceptance is recorded per kind of proposal as well: for prompt lookup, the length of the suffix that matched.
+A 4-token match in a request that quotes its prompt and a 1-token match by chance in open text stand at very
+different rates, and one engine serves both: with a single record, requests of one kind would be drafted at the
+other's rate. A kind's record starts from the other kinds' (shrunk toward the prior), and each request's drafts
+are scaled by how its own accepted drafts compare with what the records expected of them.
+
 A step whose shape has no compiled program yet also costs its compile (seconds for a 30-layer model on CPU), which
 the step-cost curve does not show. Such a step is tried only when the drafts would repay that compile, at its
 estimated cost and against the best compiled choice, over the tokens the running rows still have to emit plus as
@@ -20,7 +26,7 @@ from collections.abc import Callable
 
 from models.paged_forward import bucket
 
-# A request's acceptance rate starts at the prior, weighted as this many drafts, and moves with its own record.
+# Records start at the prior, weighted as this many drafts (a request's scale: as this many expected acceptances).
 PRIOR_WEIGHT = 2.0
 PRIOR_ACCEPTANCE = 0.5
 # Exponential moving average weight of a new step-time sample per token bucket.
@@ -31,10 +37,11 @@ DEFAULT_COMPILE_SECONDS = 1.0
 
 @dataclasses.dataclass
 class DraftStats:
-    """One request's record: drafts verified and accepted."""
+    """One request's record: drafts verified and accepted, and the acceptances the records expected of them."""
 
     num_drafts: int = 0
     num_accepted: int = 0
+    num_expected: float = 0.0
 
 
 class DraftBudget:
@@ -55,40 +62,57 @@ class DraftBudget:
         self.num_verifying_rows = 0  # sequence-steps that verified at least one draft
         self.drafted_by_position: list[int] = []  # [j]: drafts verified at place j of their step
         self.accepted_by_position: list[int] = []  # [j]: of those, accepted
+        # kind -> ([j]: drafts of that kind verified at place j, [j]: of those, accepted)
+        self.by_kind: dict[int, tuple[list[int], list[int]]] = {}
 
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted drafts as a share of verified drafts, over every request (the prior before any)."""
-        return self.num_accepted / self.num_drafts if self.num_drafts else PRIOR_ACCEPTANCE
-
-    def expected_acceptance(self, stats: DraftStats) -> float:
-        """A request's acceptance rate: its own record, shrunk toward the overall rate while it is short."""
-        prior = self.acceptance_rate
-        return (stats.num_accepted + PRIOR_WEIGHT * prior) / (stats.num_drafts + PRIOR_WEIGHT)
-
-    def draft_gains(self, stats: DraftStats, num_drafts: int) -> list[float]:
-        """[j]: the expected tokens the j-th of a request's drafts adds, the chance that it and all before it stand:
-        measured per place over every request (shrunk toward PRIOR_ACCEPTANCE^(j+1) while the record is short),
-        scaled by how this request's rate compares with the overall one, and never rising with j."""
-        overall = self.acceptance_rate
-        scale = self.expected_acceptance(stats) / overall if overall > 0 else 1.0
-        gains, previous = [], 1.0
+    def standing(self, kind: int, num_drafts: int) -> list[float]:
+        """[j]: the chance that the j-th of a proposal's drafts and all before it stand, from the per-place record
+        of proposals of this kind, shrunk toward the other kinds' record, itself shrunk toward
+        PRIOR_ACCEPTANCE^(j+1) while it is short; never rising with j."""
+        drafted_kind, accepted_kind = self.by_kind.get(kind, ([], []))
+        rates, previous = [], 1.0
         for j in range(num_drafts):
-            drafted = self.drafted_by_position[j] if j < len(self.drafted_by_position) else 0
-            accepted = self.accepted_by_position[j] if j < len(self.accepted_by_position) else 0
-            standing = (accepted + PRIOR_WEIGHT * PRIOR_ACCEPTANCE ** (j + 1)) / (drafted + PRIOR_WEIGHT)
-            previous = min(previous, standing * scale, 1.0)
+            drafted = _at(self.drafted_by_position, j) - _at(drafted_kind, j)
+            accepted = _at(self.accepted_by_position, j) - _at(accepted_kind, j)
+            others = (accepted + PRIOR_WEIGHT * PRIOR_ACCEPTANCE ** (j + 1)) / (drafted + PRIOR_WEIGHT)
+            rate = (_at(accepted_kind, j) + PRIOR_WEIGHT * others) / (_at(drafted_kind, j) + PRIOR_WEIGHT)
+            previous = min(previous, rate)
+            rates.append(previous)
+        return rates
+
+    def draft_gains(self, stats: DraftStats, num_drafts: int, kind: int = 0) -> list[float]:
+        """[j]: the expected tokens the j-th of a request's drafts adds: the chance that it and all before it stand
+        (standing), scaled by the request's accepted drafts over those the records expected of it (1 while it has
+        few), at most 1 and never rising with j.
+
+        Args:
+          stats: the request's record.
+          num_drafts: its proposal's drafts.
+          kind: what kind of proposal it is (prompt lookup: the matched suffix's length; a draft model: 0).
+        """
+        scale = (stats.num_accepted + PRIOR_WEIGHT) / (stats.num_expected + PRIOR_WEIGHT)
+        gains, previous = [], 1.0
+        for rate in self.standing(kind, num_drafts):
+            previous = min(previous, rate * scale, 1.0)
             gains.append(previous)
         return gains
 
-    def observe_verified(self, stats: DraftStats, num_drafts: int, num_accepted: int) -> None:
-        """Record that a request's step verified `num_drafts` drafts and accepted `num_accepted`."""
+    def observe_verified(self, stats: DraftStats, num_drafts: int, num_accepted: int, kind: int = 0) -> None:
+        """Record that a request's step verified `num_drafts` drafts of a proposal of `kind` and accepted
+        `num_accepted`."""
+        stats.num_expected += sum(self.standing(kind, num_drafts))
         stats.num_drafts += num_drafts
         stats.num_accepted += num_accepted
         self.num_drafts += num_drafts
         self.num_accepted += num_accepted
         self.num_verifying_rows += 1
-        for counts, upto in ((self.drafted_by_position, num_drafts), (self.accepted_by_position, num_accepted)):
+        drafted_kind, accepted_kind = self.by_kind.setdefault(kind, ([], []))
+        for counts, upto in (
+            (self.drafted_by_position, num_drafts),
+            (self.accepted_by_position, num_accepted),
+            (drafted_kind, num_drafts),
+            (accepted_kind, num_accepted),
+        ):
             counts.extend([0] * (num_drafts - len(counts)))
             for j in range(upto):
                 counts[j] += 1
@@ -221,6 +245,11 @@ class DraftBudget:
         for _, row in gains[:best_count]:
             counts[row] += 1
         return counts
+
+
+def _at(counts: list[int], j: int) -> int:
+    """counts[j], or 0 past its end."""
+    return counts[j] if j < len(counts) else 0
 
 
 def _program(num_tokens: int, num_drafts: int) -> tuple[int, int]:

@@ -52,10 +52,11 @@ class Drafter:
         self.budget = DraftBudget(adaptive=config.adaptive)
         self._indexes: dict[str, NgramIndex] = {}
         self._stats: dict[str, DraftStats] = {}
+        self._kinds: dict[str, int] = {}  # request id -> the kind of its latest proposal (DraftBudget.draft_gains)
 
-    def propose(self, request: Request, max_drafts: int) -> list[int]:
-        """Up to `max_drafts` (and num_speculative_tokens) drafts for a decoding request; none where it may not
-        speculate or nothing recurs.
+    def propose(self, request: Request, max_drafts: int) -> tuple[list[int], int]:
+        """Up to `max_drafts` (and num_speculative_tokens) drafts for a decoding request, none where it may not
+        speculate or nothing recurs; and the proposal's kind (prompt lookup: the matched suffix's length).
 
         Args:
           request: a running request with one uncomputed token.
@@ -64,9 +65,9 @@ class Drafter:
         config = self.config
         num_drafts = min(config.num_speculative_tokens, max_drafts)
         if num_drafts <= 0 or not can_speculate(request):
-            return []
+            return [], 0
         if config.method == "draft_model":
-            return [PENDING_DRAFT] * num_drafts
+            return [PENDING_DRAFT] * num_drafts, 0
         index = self._indexes.get(request.request_id)
         if index is None:
             index = self._indexes[request.request_id] = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
@@ -84,7 +85,7 @@ class Drafter:
           token_budget: tokens the step may still take.
           max_model_len: the most tokens a request may reach.
         """
-        rows, proposals, remaining_tokens = [], [], 0
+        rows, proposals, kinds, remaining_tokens = [], [], [], 0
         for index, sequence in enumerate(sequences):
             request = sequence.request
             if sequence.num_new_tokens != 1 or not sequence.completes_prompt:
@@ -92,15 +93,17 @@ class Drafter:
             params = request.sampling_params
             room = min(params.max_tokens - request.num_output_tokens, max_model_len - request.num_tokens)
             remaining_tokens += room
-            drafts = self.propose(request, room - 1)  # the step emits up to len(drafts) + 1 tokens
+            drafts, kind = self.propose(request, room - 1)  # the step emits up to len(drafts) + 1 tokens
             if drafts:
                 rows.append(index)
                 proposals.append(drafts)
+                kinds.append(kind)
+                self._kinds[request.request_id] = kind
         if not rows:
             return []
         candidates = [
-            self.budget.draft_gains(self._stats.get(sequences[i].request.request_id, DraftStats()), len(d))
-            for i, d in zip(rows, proposals, strict=True)
+            self.budget.draft_gains(self._stats.get(sequences[i].request.request_id, DraftStats()), len(d), kind)
+            for i, d, kind in zip(rows, proposals, kinds, strict=True)
         ]
         num_emitting = sum(sequence.completes_prompt for sequence in sequences)
         compiled = None
@@ -117,12 +120,13 @@ class Drafter:
     def observe_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """Record a step's verdict on a request's drafts."""
         stats = self._stats.setdefault(request.request_id, DraftStats())
-        self.budget.observe_verified(stats, num_drafts, num_accepted)
+        self.budget.observe_verified(stats, num_drafts, num_accepted, self._kinds.get(request.request_id, 0))
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's index and record."""
         self._indexes.pop(request_id, None)
         self._stats.pop(request_id, None)
+        self._kinds.pop(request_id, None)
 
     def counts(self) -> dict:
         """What the metrics report: drafts verified and accepted, rows that verified any, and both per position."""

@@ -25,8 +25,9 @@ class NgramIndex:
         # Occurrences ending at 1.._num_indexed are in the index.
         self._num_indexed = 0
 
-    def propose(self, prompt: Sequence[int], output: Sequence[int], num_tokens: int) -> list[int]:
-        """Up to `num_tokens` drafts following the latest earlier occurrence of the longest suffix that recurs.
+    def propose(self, prompt: Sequence[int], output: Sequence[int], num_tokens: int) -> tuple[list[int], int]:
+        """Up to `num_tokens` drafts following the latest earlier occurrence of the longest suffix that recurs, and
+        that suffix's length (0 for none): a longer match is likelier to continue as it did before.
 
         The continuation wraps around when it reaches the end (a repeating loop continues repeating), so a match
         always gives num_tokens drafts; no match gives none.
@@ -46,7 +47,7 @@ class NgramIndex:
                 self._latest_end[n - self.min_n][tuple(token(i) for i in range(end - n, end))] = end
         self._num_indexed = max(self._num_indexed, length - 1)
         if num_tokens <= 0:
-            return []
+            return [], 0
         for n in range(min(self.max_n, length), self.min_n - 1, -1):
             end = self._latest_end[n - self.min_n].get(tuple(token(i) for i in range(length - n, length)))
             if end is None:
@@ -55,5 +56,5 @@ class NgramIndex:
             for i in range(num_tokens):  # past the last token, continue with the drafts themselves
                 position = end + i
                 drafts.append(token(position) if position < length else drafts[position - length])
-            return drafts
-        return []
+            return drafts, n
+        return [], 0
