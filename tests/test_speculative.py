@@ -511,3 +511,27 @@ def test_sampled_tokens_after_rejected_drafts_follow_the_models_distribution(tin
             counts = np.append(counts[~rare], counts[rare].sum())
             expected = np.append(expected[~rare], expected[rare].sum())
         assert stats.chisquare(counts, expected).pvalue > 1e-3
+
+
+def test_with_nothing_waiting_only_the_rows_with_the_most_left_draft():
+    """A closed batch ends with its longest row: drafts for rows that finish earlier make steps dearer for nothing."""
+    from paxkv.scheduling.request import Request
+    from paxkv.scheduling.scheduled_batch import ScheduledSequence
+    from paxkv.speculation.drafter import Drafter
+
+    params = SamplingParams(temperature=0.0, max_tokens=100)
+    sequences = []
+    for index, num_output in enumerate([10, 12, 30, 50]):  # 90, 88, 70 and 50 tokens left
+        request = Request(str(index), [5, 6, 7] * 10, params)
+        request.output_token_ids = [5] * num_output  # "5" recurs: every row has a proposal
+        request.num_computed_tokens = request.num_tokens - 1
+        sequences.append(ScheduledSequence(request, [5], [request.num_tokens - 1], [0], [0], request.num_tokens, True))
+    drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=4))  # nothing measured: it tries
+
+    def drafted_rows(nothing_waiting):
+        return [index for index, _ in drafter.choose(sequences, 4, 64, 1000, nothing_waiting)]
+
+    assert drafted_rows(False) == [0, 1, 2, 3]  # requests wait: every emitted token counts
+    assert drafted_rows(True) == [0, 1]  # within 4 drafts of the 90 tokens the longest has left
+    drafter.budget.adaptive = False  # drafting every proposal means every one
+    assert drafted_rows(True) == [0, 1, 2, 3]

@@ -19,7 +19,7 @@ class FixedDrafter:
     def __init__(self, drafts):
         self.drafts, self.verdicts = drafts, []
 
-    def choose(self, sequences, num_tokens, token_budget, max_model_len):
+    def choose(self, sequences, num_tokens, token_budget, max_model_len, nothing_waiting=False):
         return [(i, list(self.drafts)) for i, s in enumerate(sequences) if s.num_new_tokens == 1 and s.completes_prompt]
 
     def observe_verified(self, request, num_drafts, num_accepted):
@@ -85,7 +85,7 @@ class RandomDrafter:
         self.rng, self.k, self.hit = rng, k, hit
         self.num_drafts = self.num_accepted = 0
 
-    def choose(self, sequences, num_tokens, token_budget, max_model_len):
+    def choose(self, sequences, num_tokens, token_budget, max_model_len, nothing_waiting=False):
         from test_replica_scheduler import fake_token
 
         chosen = []

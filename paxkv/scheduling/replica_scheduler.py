@@ -368,7 +368,8 @@ class ReplicaScheduler:
         """
         num_tokens = self.max_num_batched_tokens - token_budget
         added = 0
-        for index, drafts in self.drafter.choose(sequences, num_tokens, token_budget, self.max_model_len):
+        chosen = self.drafter.choose(sequences, num_tokens, token_budget, self.max_model_len, not self.waiting)
+        for index, drafts in chosen:
             request = sequences[index].request
             count = len(drafts)
             while count and not self.allocator.can_allocate(

@@ -74,25 +74,40 @@ class Drafter:
         return index.propose(request.prompt_token_ids, request.output_token_ids, num_drafts)
 
     def choose(
-        self, sequences: list[ScheduledSequence], num_tokens: int, token_budget: int, max_model_len: int
+        self,
+        sequences: list[ScheduledSequence],
+        num_tokens: int,
+        token_budget: int,
+        max_model_len: int,
+        nothing_waiting: bool = False,
     ) -> list[tuple[int, list[int]]]:
         """The drafts worth verifying this step: (index into sequences, drafts) for decoding sequences, as the
         budget approves them against the measured step costs and acceptance rates.
+
+        While requests wait, a row that finishes early is refilled, so every emitted token counts. With nothing
+        waiting, the running rows' work ends when the longest of them ends: only drafts of the rows within a draft
+        length of the most tokens left count, each as its share of those rows' progress (drafts for a row that
+        will finish early anyway make every step dearer and the whole no sooner).
 
         Args:
           sequences: the step's sequences so far.
           num_tokens: the tokens they run.
           token_budget: tokens the step may still take.
           max_model_len: the most tokens a request may reach.
+          nothing_waiting: no request waits for a place in the batch.
         """
+        finish_together = nothing_waiting and self.budget.adaptive  # else every proposal is drafted
+        rooms = [_room(sequence.request, max_model_len) for sequence in sequences]
+        longest = max(rooms, default=0) - self.config.num_speculative_tokens
+        num_longest = sum(room >= longest for room in rooms)
         rows, proposals, kinds, remaining_tokens = [], [], [], 0
-        for index, sequence in enumerate(sequences):
+        for index, (sequence, room) in enumerate(zip(sequences, rooms, strict=True)):
             request = sequence.request
             if sequence.num_new_tokens != 1 or not sequence.completes_prompt:
                 continue  # prefill chunks verify nothing
-            params = request.sampling_params
-            room = min(params.max_tokens - request.num_output_tokens, max_model_len - request.num_tokens)
             remaining_tokens += room
+            if finish_together and room < longest:
+                continue  # finishes before the longest row whatever it drafts
             drafts, kind = self.propose(request, room - 1)  # the step emits up to len(drafts) + 1 tokens
             if drafts:
                 rows.append(index)
@@ -106,6 +121,8 @@ class Drafter:
             for i, d, kind in zip(rows, proposals, kinds, strict=True)
         ]
         num_emitting = sum(sequence.completes_prompt for sequence in sequences)
+        if finish_together:  # progress is the longest rows' mean, in the units of num_emitting tokens per row
+            candidates = [[gain * num_emitting / num_longest for gain in gains] for gains in candidates]
         compiled = None
         if self.has_compiled is not None:
             prefills = any(sequence.num_new_tokens > 1 for sequence in sequences)
@@ -138,3 +155,8 @@ class Drafter:
             drafted_by_position=list(budget.drafted_by_position),
             accepted_by_position=list(budget.accepted_by_position),
         )
+
+
+def _room(request: Request, max_model_len: int) -> int:
+    """The most tokens a request may still emit."""
+    return min(request.sampling_params.max_tokens - request.num_output_tokens, max_model_len - request.num_tokens)
