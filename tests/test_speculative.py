@@ -1,5 +1,5 @@
-"""Speculative decoding: the n-gram index against a rescan, verification against a loop, the budget's decisions,
-and the engine's output, which speculation must leave exactly as it was (the scheduler's side:
+"""Speculative decoding: the n-gram index against a rescan, verification against a loop, and the engine's output,
+which speculation must leave exactly as it was (the budget's decisions: test_draft_budget.py; the scheduler's side:
 test_speculative_scheduling.py)."""
 
 import numpy as np
@@ -13,7 +13,6 @@ from paxkv.core.engine import Engine
 from paxkv.entrypoints.batch_runner import drain
 from paxkv.execution.verification import DraftRows, count_accepted, emitted_candidates
 from paxkv.scheduling.sampling_params import SamplingParams
-from paxkv.speculation.draft_budget import DraftBudget, DraftStats
 from paxkv.speculation.ngram_proposer import NgramIndex
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -93,110 +92,6 @@ def test_acceptance_counts_leading_matches_per_row_like_a_loop():
     assert (
         emitted_candidates(3, 1) == [1, 2] and emitted_candidates(2, 2) == [1, 2, 0] and emitted_candidates(0, 0) == [0]
     )
-
-
-def test_the_budget_drafts_only_where_the_measured_step_costs_pay():
-    flat = DraftBudget()
-    for tokens in (4, 8, 16, 32):
-        flat.observe_step(tokens, 0.010)  # memory-bound: a bigger step costs the same
-    likely, never = [0.8, 0.6, 0.5, 0.4], [0.0] * 4  # each draft's expected gain
-    assert flat.allot(4, 4, [likely] * 4, room=100) == [4, 4, 4, 4]
-    assert flat.allot(4, 4, [never] * 4, room=100) == [0, 0, 0, 0]  # drafts that never stand gain nothing
-    assert sum(flat.allot(4, 4, [likely] * 4, room=5)) == 5  # within the token budget
-    steep = DraftBudget()
-    for tokens in (32, 64, 128):
-        steep.observe_step(tokens, 0.010 * tokens / 32)  # compute-bound: cost grows with the tokens
-    assert steep.allot(32, 32, [likely] * 32, room=400) == [0] * 32
-    exploring = DraftBudget()
-    exploring.observe_step(32, 0.100)
-    assert sum(exploring.allot(32, 32, [likely] * 32, room=400)) == 32  # one bucket up (64 tokens), no further
-    exploring.observe_step(64, 0.190)  # it cost nearly twice as much; 128 tokens might still pay: tried next
-    assert sum(exploring.allot(32, 32, [likely] * 32, room=400)) == 96
-    exploring.observe_step(128, 0.380)
-    assert sum(exploring.allot(32, 32, [likely] * 32, room=400)) == 0  # measured: none pays
-    # Drafts add rows of logits: a program measured with them costs what it measured, not its T's plain cost.
-    with_rows = DraftBudget()
-    with_rows.observe_step(8, 0.010)
-    with_rows.observe_step(16, 0.010)  # plain steps of 8 and 16 tokens cost the same
-    assert sum(with_rows.allot(8, 8, [likely] * 8, room=8)) == 8
-    with_rows.observe_step(16, 0.030, num_drafts=8)  # with 8 drafts the 16-token step took three times as long
-    assert sum(with_rows.allot(8, 8, [likely] * 8, room=8)) == 0
-    # Unmeasured, a step of more tokens and drafts costs at least what that one did.
-    assert with_rows.step_cost(24, num_drafts=16) == pytest.approx(0.030)
-    unknown = DraftBudget()
-    assert unknown.allot(2, 2, [[0.5, 0.25]] * 2, room=10) == [2, 2]  # nothing measured: try, and learn
-    assert DraftBudget(adaptive=False).allot(32, 32, [[0.0] * 3] * 2, room=4) == [3, 1]
-    # Gains per place are measured: drafts that stand together make the fourth nearly as likely as the first.
-    budget = DraftBudget()
-    stats = [DraftStats() for _ in range(50)]
-    for index, row in enumerate(stats):
-        budget.observe_verified(row, 4, 4 if index % 2 else 0)  # all four stand, or none
-    gains = budget.draft_gains(DraftStats(), 4)
-    assert 0.45 < gains[3] <= gains[0] < 0.55  # where 0.5 ** 4 would say 0.06
-    rejected = DraftBudget()
-    rejected.observe_verified(DraftStats(), 3, 0)
-    assert rejected.draft_gains(DraftStats(), 2) == pytest.approx([1 / 3, 1 / 6])  # the prior, shrunk by one miss
-
-
-def test_acceptance_is_learned_per_kind_of_proposal_and_per_request():
-    """Long prompt-lookup matches that stand do not make chance 1-token matches look as good, and the reverse."""
-    budget = DraftBudget()
-    for _ in range(40):  # a copying workload: 4-token matches, every draft stands
-        budget.observe_verified(DraftStats(), 4, 4, kind=4)
-    assert budget.draft_gains(DraftStats(), 4, kind=4)[3] > 0.9
-    unseen = budget.draft_gains(DraftStats(), 4, kind=1)
-    assert unseen[0] > 0.6  # an unseen kind starts from what the others did
-    for _ in range(10):  # open text: 1-token matches by chance, none stands
-        budget.observe_verified(DraftStats(), 4, 0, kind=1)
-    # 10 misses against a prior of 2 drafts at the copies' rate (41 / 42): 2 * (41 / 42) / 12.
-    assert budget.draft_gains(DraftStats(), 4, kind=1)[0] == pytest.approx(2 * (41 / 42) / 12)
-    assert budget.draft_gains(DraftStats(), 4, kind=4)[3] > 0.9  # the copies' record is untouched
-    # A request whose drafts stand less often than the records expected is scaled down, and the reverse.
-    doubted, trusted = DraftStats(), DraftStats()
-    for _ in range(5):
-        budget.observe_verified(doubted, 4, 0, kind=4)
-        budget.observe_verified(trusted, 4, 4, kind=1)
-    assert doubted.num_expected > 15 and trusted.num_expected < 10  # against 0 and 20 accepted
-    assert budget.draft_gains(doubted, 1, kind=4)[0] < 0.2
-    assert budget.draft_gains(DraftStats(), 1, kind=1)[0] < 0.5 < budget.draft_gains(trusted, 1, kind=1)[0] == 1.0
-
-
-def test_the_budget_compiles_a_step_shape_only_where_the_work_repays_the_compile():
-    likely = [0.9, 0.9, 0.9, 0.9]
-    budget = DraftBudget()
-    budget.observe_step(8, 0.010)
-    budget.observe_step(16, 0.010)
-    budget.observe_compile(2.0)  # a compile costs 200 plain steps here
-
-    def allot(remaining_tokens):  # only the program of 16 tokens with 8 drafts exists
-        return sum(budget.allot(8, 8, [likely] * 8, room=100, compiled=lambda count: count == 8,
-                                remaining_tokens=remaining_tokens))  # fmt: skip
-
-    # 8 drafts ride the compiled 16-token program; 24 (a 32-token step, not compiled, hoped to cost what 16 tokens
-    # do) would emit ~1.9x as many tokens a step, too little over 100 tokens to repay a compile, enough over 10000.
-    assert allot(remaining_tokens=100) == 8
-    assert allot(remaining_tokens=10_000) == 24
-    budget.observe_emitted(10_000)  # what the engine emitted so far counts as work to come
-    assert allot(remaining_tokens=100) == 24
-    # Nothing compiled and nothing measured to compare against: no compile, no drafts.
-    fresh = DraftBudget()
-    assert fresh.allot(2, 2, [[0.5, 0.25]] * 2, room=10, compiled=lambda c: False, remaining_tokens=10**6) == [0, 0]
-    # The mean time of the steps that compiled is what a compile is taken to cost.
-    fresh.observe_compile(1.0)
-    fresh.observe_compile(3.0)
-    assert fresh.compile_seconds == pytest.approx(2.0)
-
-
-def test_processes_that_plan_together_draft_every_proposal(caplog):
-    """Step times differ between hosts, and every process must plan the same batches: with several processes the
-    budget drafts every proposal instead of deciding from local times, and says so."""
-    from paxkv.speculation.drafter import Drafter
-
-    assert Drafter(SpeculativeConfig(method="ngram")).budget.adaptive
-    with caplog.at_level("WARNING"):
-        drafter = Drafter(SpeculativeConfig(method="ngram"), num_processes=2)
-    assert not drafter.config.adaptive and not drafter.budget.adaptive
-    assert "with 2 processes it drafts every proposal" in caplog.text
 
 
 @pytest.fixture(scope="module")
@@ -511,27 +406,3 @@ def test_sampled_tokens_after_rejected_drafts_follow_the_models_distribution(tin
             counts = np.append(counts[~rare], counts[rare].sum())
             expected = np.append(expected[~rare], expected[rare].sum())
         assert stats.chisquare(counts, expected).pvalue > 1e-3
-
-
-def test_with_nothing_waiting_only_the_rows_with_the_most_left_draft():
-    """A closed batch ends with its longest row: drafts for rows that finish earlier make steps dearer for nothing."""
-    from paxkv.scheduling.request import Request
-    from paxkv.scheduling.scheduled_batch import ScheduledSequence
-    from paxkv.speculation.drafter import Drafter
-
-    params = SamplingParams(temperature=0.0, max_tokens=100)
-    sequences = []
-    for index, num_output in enumerate([10, 12, 30, 50]):  # 90, 88, 70 and 50 tokens left
-        request = Request(str(index), [5, 6, 7] * 10, params)
-        request.output_token_ids = [5] * num_output  # "5" recurs: every row has a proposal
-        request.num_computed_tokens = request.num_tokens - 1
-        sequences.append(ScheduledSequence(request, [5], [request.num_tokens - 1], [0], [0], request.num_tokens, True))
-    drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=4))  # nothing measured: it tries
-
-    def drafted_rows(nothing_waiting):
-        return [index for index, _ in drafter.choose(sequences, 4, 64, 1000, nothing_waiting)]
-
-    assert drafted_rows(False) == [0, 1, 2, 3]  # requests wait: every emitted token counts
-    assert drafted_rows(True) == [0, 1]  # within 4 drafts of the 90 tokens the longest has left
-    drafter.budget.adaptive = False  # drafting every proposal means every one
-    assert drafted_rows(True) == [0, 1, 2, 3]
