@@ -9,7 +9,8 @@ Random Llamas saved by `transformers` (torch builds them on the host, so nothing
   the others (bf16 activations) are reported as the fraction of tokens that agree (a tie broken the other way
   changes the rest of its row);
 - throughput: a random Llama of SmolLM2-135M's shape in bf16, 64 prompts of 256 tokens, 128 new tokens each,
-  on both implementations; the second of two identical runs is timed (the first compiles).
+  on both implementations; of two runs of the same shapes, the second is timed (the first compiles; each run
+  draws fresh prompts, so none hits the prefix cache). Not yet run on a device since that change.
 
 Needs jax (with its GPU or TPU plugin), flax, numpy, torch and transformers: what a CUDA image holds.
 Writes DIR/engine_check_<parts>.json and prints a table last; exits nonzero when an f32 comparison differs.
