@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -40,6 +41,11 @@ namespace {
 constexpr int64_t kDepthStep = 4;       // KN: weight rows whose vectors are widened once and used by every x row
 constexpr int64_t kItemsPerThread = 2;  // KN: bands of w's rows per thread
 constexpr int64_t kNkRowsPerItem = 64;  // NK: output rows per work item
+// KN: how far ahead of the rows in use the weights are prefetched. Without it a core streamed bf16 weights from
+// memory at half the rate it multiplies them from cache (Xeon with AVX-512: 30 SmolLM2 MLPs at one row, 18 GB/s on
+// two cores without, 30-36 with any distance from one depth step to 16 KB).
+constexpr int64_t kPrefetchBytes = 2048;
+constexpr int64_t kCacheLine = 64;
 
 // KN, w[K, N]: partial[t, :] = x[t, k0 : k1] @ w[k0 : k1, :], walking the item's rows of w (one contiguous block)
 // kDepthStep rows at a time, each step's vectors widened once and added into every x row's sums.
@@ -47,6 +53,9 @@ template <typename W>
 void KnRows(const float* x, const W* w, float* partial, int64_t t_size, int64_t k_size, int64_t n_size, int64_t k0,
             int64_t k1) {
   const int64_t vector_end = n_size / kLanes * kLanes;
+  // Weight rows read ahead: at least kPrefetchBytes past the rows in use, in whole depth steps.
+  const int64_t step_bytes = kDepthStep * n_size * static_cast<int64_t>(sizeof(W));
+  const int64_t ahead_rows = kDepthStep * std::max<int64_t>(1, (kPrefetchBytes + step_bytes - 1) / step_bytes);
   std::fill(partial, partial + t_size * n_size, 0.0f);
   int64_t k = k0;
   for (; k + kDepthStep <= k1; k += kDepthStep) {
@@ -57,6 +66,10 @@ void KnRows(const float* x, const W* w, float* partial, int64_t t_size, int64_t 
     for (; n + 2 * kLanes <= vector_end; n += 2 * kLanes) {
       Vec left[kDepthStep], right[kDepthStep];
       for (int64_t d = 0; d < kDepthStep; ++d) {
+        const char* ahead = reinterpret_cast<const char*>(rows + (ahead_rows + d) * n_size + n);
+        for (int64_t byte = 0; byte < 2 * kLanes * static_cast<int64_t>(sizeof(W)); byte += kCacheLine) {
+          __builtin_prefetch(ahead + byte);
+        }
         left[d] = LoadValues(rows + d * n_size + n);
         right[d] = LoadValues(rows + d * n_size + n + kLanes);
       }
