@@ -140,8 +140,13 @@ template <typename W, int64_t kRows>
 void NkRowsFor(const float* x, const W* w, float* out, int64_t k_size, int64_t n_size, int64_t t0, int64_t n0,
                int64_t n1) {
   const int64_t vector_end = k_size / kLanes * kLanes;
+  const int64_t row_bytes = k_size * static_cast<int64_t>(sizeof(W));
+  const int64_t ahead_rows = std::max<int64_t>(1, (kPrefetchBytes + row_bytes - 1) / row_bytes);
   for (int64_t n = n0; n < n1; ++n) {
     const W* weights = w + n * k_size;
+    // The row ahead_rows on (weight rows are contiguous, so this keeps kPrefetchBytes or more in flight).
+    const char* ahead = reinterpret_cast<const char*>(weights + ahead_rows * k_size);
+    for (int64_t byte = 0; byte < row_bytes; byte += kCacheLine) __builtin_prefetch(ahead + byte);
     Vec acc[kRows] = {};
     for (int64_t k = 0; k < vector_end; k += kLanes) {
       const Vec wv = LoadValues(weights + k);

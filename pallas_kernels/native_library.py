@@ -70,6 +70,15 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
+@functools.cache
+def cpu_feature_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them ("avx2", "avx512f"); empty where it cannot tell."""
+    line = _cpu_flags()
+    if not line.startswith("flags"):
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
 def library_path(compiler: str) -> str:
     """Where the library built from today's sources, headers, compiler, flags, CPU and jaxlib lives in the cache."""
     key = hashlib.sha256()

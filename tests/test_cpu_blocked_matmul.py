@@ -1,5 +1,8 @@
 """The native blocked CPU matmul (pallas_kernels/cpu_blocked_matmul.cc) against exact sums."""
 
+import os
+import platform
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,7 +15,7 @@ from pallas_kernels import (
     small_matmul_cpu,
     small_matmul_reference,
 )
-from pallas_kernels.native_library import native_kernel_error
+from pallas_kernels.native_library import cpu_feature_flags, native_kernel_error
 
 pytestmark = pytest.mark.skipif(native_kernel_error() is not None, reason=f"no native kernels: {native_kernel_error()}")
 
@@ -68,10 +71,28 @@ def test_what_the_kernel_does_not_take_is_refused_naming_the_fix():
         blocked_matmul_cpu(x, weight.astype(jnp.int8))
 
 
+AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512_bf16", "amx_bf16"}
+
+
 def test_the_row_counts_it_is_given_are_where_it_beats_xla():
-    assert not blocked_matmul_reads(MIN_BLOCKED_ROWS - 1, jnp.float32)  # the small-row kernel's
-    assert blocked_matmul_reads(MIN_BLOCKED_ROWS, jnp.float32)
-    assert blocked_matmul_reads(64, jnp.float32)
-    assert not blocked_matmul_reads(65, jnp.float32)  # XLA's f32 matmuls as fast or faster from here
-    assert blocked_matmul_reads(4096, jnp.bfloat16)  # XLA's bf16 ones never are
-    assert not blocked_matmul_reads(32, jnp.int8)
+    assert not blocked_matmul_reads(MIN_BLOCKED_ROWS - 1, jnp.float32, AVX2)  # the small-row kernel's
+    assert blocked_matmul_reads(MIN_BLOCKED_ROWS, jnp.float32, AVX2)
+    assert blocked_matmul_reads(64, jnp.float32, AVX2)
+    assert not blocked_matmul_reads(65, jnp.float32, AVX2)  # XLA's f32 matmuls as fast or faster from here
+    assert blocked_matmul_reads(4096, jnp.bfloat16, AVX2)  # XLA's bf16 ones never are
+    assert not blocked_matmul_reads(32, jnp.int8, AVX2)
+    # With AVX-512, XLA's matmuls beat the kernel's AVX2-sized tiles at every row count.
+    assert not any(
+        blocked_matmul_reads(rows, dtype, AVX512) for rows in (9, 32, 64) for dtype in (jnp.float32, jnp.bfloat16)
+    )
+    # No flags known (no /proc/cpuinfo): the kernel, as on an AVX2 machine.
+    assert blocked_matmul_reads(32, jnp.float32, frozenset())
+
+
+def test_this_machines_flags_are_read():
+    flags = cpu_feature_flags()
+    assert isinstance(flags, frozenset)
+    if os.path.exists("/proc/cpuinfo") and platform.machine() == "x86_64":
+        assert "sse2" in flags  # every x86-64 CPU has it
+    assert blocked_matmul_reads(32, jnp.float32) == blocked_matmul_reads(32, jnp.float32, flags)
