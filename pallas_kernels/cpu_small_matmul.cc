@@ -10,7 +10,8 @@
 //   a work item, so each item reads one contiguous block of w; kDepthStep rows' vectors are widened once and added
 //   into every x row's sums, which stay in the core's cache; the items' sums are added in item order at the end;
 // - "NK", w[N, K] (contraction last: the tied embedding as the lm_head): 64 output rows are one item; each weight
-//   row is read once for up to 4 x rows, as dot products across the vector lanes.
+//   row is read once for up to 4 x rows (a lone row takes 4 weight rows at a time), as dot products across the
+//   vector lanes.
 // The split depends on the shapes and the thread count only, so a row's result is the same bit for bit whatever
 // other rows are in the batch.
 
@@ -134,29 +135,42 @@ void MatmulKn(ffi::ThreadPool& pool, const float* x, const W* w, float* out, int
   }
 }
 
-// NK, w[N, K]: out[t, n] = x[t] . w[n] for n in [n0, n1) and kRows x rows from t0, each weight row read once for
-// all of them.
-template <typename W, int64_t kRows>
+// NK, w[N, K]: out[t, n] = x[t] . w[n] for n in [n0, n1) and kRows x rows from t0, kCols weight rows at a time (the
+// last few one by one), each weight row read once for all of them. Each output is one chain of sums over K, whatever
+// kRows and kCols are; kRows * kCols chains run side by side so that no chain's add latency bounds the loop.
+template <typename W, int64_t kRows, int64_t kCols>
 void NkRowsFor(const float* x, const W* w, float* out, int64_t k_size, int64_t n_size, int64_t t0, int64_t n0,
                int64_t n1) {
   const int64_t vector_end = k_size / kLanes * kLanes;
   const int64_t row_bytes = k_size * static_cast<int64_t>(sizeof(W));
-  const int64_t ahead_rows = std::max<int64_t>(1, (kPrefetchBytes + row_bytes - 1) / row_bytes);
-  for (int64_t n = n0; n < n1; ++n) {
+  const int64_t ahead_rows = std::max<int64_t>(kCols, (kPrefetchBytes + row_bytes - 1) / row_bytes);
+  int64_t n = n0;
+  for (; n + kCols <= n1; n += kCols) {
     const W* weights = w + n * k_size;
-    // The row ahead_rows on (weight rows are contiguous, so this keeps kPrefetchBytes or more in flight).
+    // The rows ahead_rows on (weight rows are contiguous, so this keeps kPrefetchBytes or more in flight).
     const char* ahead = reinterpret_cast<const char*>(weights + ahead_rows * k_size);
-    for (int64_t byte = 0; byte < row_bytes; byte += kCacheLine) __builtin_prefetch(ahead + byte);
-    Vec acc[kRows] = {};
+    for (int64_t byte = 0; byte < kCols * row_bytes; byte += kCacheLine) __builtin_prefetch(ahead + byte);
+    Vec acc[kRows][kCols] = {};
     for (int64_t k = 0; k < vector_end; k += kLanes) {
-      const Vec wv = LoadValues(weights + k);
-      for (int64_t r = 0; r < kRows; ++r) acc[r] += LoadVec(x + (t0 + r) * k_size + k) * wv;
+      Vec wv[kCols];
+      for (int64_t c = 0; c < kCols; ++c) wv[c] = LoadValues(weights + c * k_size + k);
+      for (int64_t r = 0; r < kRows; ++r) {
+        const Vec xv = LoadVec(x + (t0 + r) * k_size + k);
+        for (int64_t c = 0; c < kCols; ++c) acc[r][c] += xv * wv[c];
+      }
     }
     for (int64_t r = 0; r < kRows; ++r) {
-      float sum = HorizontalSum(acc[r]);
-      for (int64_t k = vector_end; k < k_size; ++k) sum += x[(t0 + r) * k_size + k] * LoadValue(weights + k);
-      out[(t0 + r) * n_size + n] = sum;
+      for (int64_t c = 0; c < kCols; ++c) {
+        float sum = HorizontalSum(acc[r][c]);
+        for (int64_t k = vector_end; k < k_size; ++k) {
+          sum += x[(t0 + r) * k_size + k] * LoadValue(weights + c * k_size + k);
+        }
+        out[(t0 + r) * n_size + n + c] = sum;
+      }
     }
+  }
+  if constexpr (kCols > 1) {
+    if (n < n1) NkRowsFor<W, kRows, 1>(x, w, out, k_size, n_size, t0, n, n1);
   }
 }
 
@@ -167,8 +181,8 @@ void MatmulNk(ffi::ThreadPool& pool, const float* x, const W* w, float* out, int
   auto item = [&](int64_t i) {
     const int64_t n0 = i * kNkRowsPerItem, n1 = std::min(n_size, n0 + kNkRowsPerItem);
     int64_t t0 = 0;
-    for (; t0 + 4 <= t_size; t0 += 4) NkRowsFor<W, 4>(x, w, out, k_size, n_size, t0, n0, n1);
-    for (; t0 < t_size; ++t0) NkRowsFor<W, 1>(x, w, out, k_size, n_size, t0, n0, n1);
+    for (; t0 + 4 <= t_size; t0 += 4) NkRowsFor<W, 4, 1>(x, w, out, k_size, n_size, t0, n0, n1);
+    for (; t0 < t_size; ++t0) NkRowsFor<W, 1, 4>(x, w, out, k_size, n_size, t0, n0, n1);
   };
   ParallelFor(pool, items, item);
 }
