@@ -72,13 +72,13 @@ def _native_project_takes(spec: str, x: jax.Array, weight: jax.Array) -> bool:
     manual)."""
     rows = x.shape[0]
     fewest = 1 if weight.dtype == jnp.bfloat16 else 2
-    blocked = blocked_matmul_reads(rows, weight.dtype)
-    if x.dtype != jnp.float32 or not fewest <= rows or not (native_matmul_reads(rows, weight.dtype) or blocked):
+    layout = _native_layout(spec)
+    if layout is None or x.dtype != jnp.float32 or rows < fewest:
+        return False
+    if not (native_matmul_reads(rows, weight.dtype) or blocked_matmul_reads(rows, weight.dtype, layout == "NK")):
         return False
     mesh = jax.sharding.get_abstract_mesh()
-    if any(mesh.shape[axis] > 1 for axis in mesh.axis_names if axis not in mesh.manual_axes):
-        return False
-    return _native_layout(spec) is not None
+    return not any(mesh.shape[axis] > 1 for axis in mesh.axis_names if axis not in mesh.manual_axes)
 
 
 def _native_project(spec: str, x: jax.Array, weight: jax.Array) -> jax.Array:

@@ -72,22 +72,30 @@ def test_what_the_kernel_does_not_take_is_refused_naming_the_fix():
 
 
 AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
-AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512_bf16", "amx_bf16"}
+AVX512 = AVX2 | {"avx512f", "avx512bw"}
+AVX512_BF16 = AVX512 | {"avx512_bf16", "amx_bf16"}
 
 
 def test_the_row_counts_it_is_given_are_where_it_beats_xla():
-    assert not blocked_matmul_reads(MIN_BLOCKED_ROWS - 1, jnp.float32, AVX2)  # the small-row kernel's
-    assert blocked_matmul_reads(MIN_BLOCKED_ROWS, jnp.float32, AVX2)
-    assert blocked_matmul_reads(64, jnp.float32, AVX2)
-    assert not blocked_matmul_reads(65, jnp.float32, AVX2)  # XLA's f32 matmuls as fast or faster from here
-    assert blocked_matmul_reads(4096, jnp.bfloat16, AVX2)  # XLA's bf16 ones never are
-    assert not blocked_matmul_reads(32, jnp.int8, AVX2)
-    # With AVX-512, XLA's matmuls beat the kernel's AVX2-sized tiles at every row count.
-    assert not any(
-        blocked_matmul_reads(rows, dtype, AVX512) for rows in (9, 32, 64) for dtype in (jnp.float32, jnp.bfloat16)
-    )
-    # No flags known (no /proc/cpuinfo): the kernel, as on an AVX2 machine.
-    assert blocked_matmul_reads(32, jnp.float32, frozenset())
+    # AVX2: f32 from 9 to 64 rows, bf16 from 9, in both layouts.
+    for contraction_last in (False, True):
+        assert not blocked_matmul_reads(MIN_BLOCKED_ROWS - 1, jnp.float32, contraction_last, AVX2)  # small-row's
+        assert blocked_matmul_reads(MIN_BLOCKED_ROWS, jnp.float32, contraction_last, AVX2)
+        assert blocked_matmul_reads(64, jnp.float32, contraction_last, AVX2)
+        assert not blocked_matmul_reads(65, jnp.float32, contraction_last, AVX2)  # XLA's as fast or faster
+        assert blocked_matmul_reads(4096, jnp.bfloat16, contraction_last, AVX2)  # XLA's bf16 ones never are
+        assert not blocked_matmul_reads(32, jnp.int8, contraction_last, AVX2)
+    # No flags known (no /proc/cpuinfo): as on an AVX2 machine.
+    assert blocked_matmul_reads(64, jnp.float32, False, frozenset())
+    # AVX-512: f32 [K, N] weights from 9 to 32 rows; XLA's transposing lm_head is faster.
+    assert blocked_matmul_reads(MIN_BLOCKED_ROWS, jnp.float32, False, AVX512)
+    assert blocked_matmul_reads(32, jnp.float32, False, AVX512)
+    assert not blocked_matmul_reads(33, jnp.float32, False, AVX512)
+    assert not blocked_matmul_reads(16, jnp.float32, True, AVX512)
+    # bf16 is XLA's where the CPU has bf16 instructions for it, else the kernel's.
+    assert blocked_matmul_reads(32, jnp.bfloat16, False, AVX512)
+    assert not any(blocked_matmul_reads(rows, jnp.bfloat16, False, AVX512_BF16) for rows in (9, 32, 256))
+    assert not blocked_matmul_reads(32, jnp.bfloat16, True, AVX512_BF16)
 
 
 def test_this_machines_flags_are_read():
@@ -95,4 +103,4 @@ def test_this_machines_flags_are_read():
     assert isinstance(flags, frozenset)
     if os.path.exists("/proc/cpuinfo") and platform.machine() == "x86_64":
         assert "sse2" in flags  # every x86-64 CPU has it
-    assert blocked_matmul_reads(32, jnp.float32) == blocked_matmul_reads(32, jnp.float32, flags)
+    assert blocked_matmul_reads(32, jnp.float32) == blocked_matmul_reads(32, jnp.float32, False, flags)

@@ -8,8 +8,8 @@ from matmul_cases import exact_product, random_case
 
 from models.layers import project
 from pallas_kernels import MAX_NATIVE_ROWS, small_matmul_cpu, small_matmul_reference
-from pallas_kernels.cpu_blocked_matmul import blocked_kernel_beats_xla
-from pallas_kernels.native_library import cpu_feature_flags, native_kernel_error
+from pallas_kernels.cpu_blocked_matmul import blocked_matmul_reads
+from pallas_kernels.native_library import native_kernel_error
 
 pytestmark = pytest.mark.skipif(native_kernel_error() is not None, reason=f"no native kernels: {native_kernel_error()}")
 
@@ -78,17 +78,20 @@ MODEL_PRODUCTS = [
 def test_project_takes_the_native_kernels_where_they_beat_xla_and_agrees_with_xla(spec, shape):
     rng = np.random.default_rng(1)
     depth = shape[1] if spec.startswith("TD,VD") else shape[0]
-    blocked = "blocked" if blocked_kernel_beats_xla(cpu_feature_flags()) else None  # else XLA's, with AVX-512
+
+    def blocked(rows, dtype):  # this machine's choice (test_cpu_blocked_matmul tests it on every kind of CPU)
+        return "blocked" if blocked_matmul_reads(rows, dtype, spec.startswith("TD,VD")) else None
+
     for dtype, rows, expect_native in [
         ("bfloat16", 1, "small"),
         ("bfloat16", 8, "small"),
         ("float32", 1, None),  # XLA reads f32 fastest at one row
         ("float32", 4, "small"),
-        ("float32", 16, blocked),
-        ("bfloat16", 16, blocked),
-        ("float32", 64, blocked),
+        ("float32", 16, blocked(16, jnp.float32)),
+        ("bfloat16", 16, blocked(16, jnp.bfloat16)),
+        ("float32", 64, blocked(64, jnp.float32)),
         ("float32", 128, None),  # XLA's f32 matmuls as fast from 64 rows on
-        ("bfloat16", 128, blocked),
+        ("bfloat16", 128, blocked(128, jnp.bfloat16)),
     ]:
         x = jnp.asarray(rng.standard_normal((rows, depth)), jnp.float32)
         weight = jnp.asarray(rng.standard_normal(shape) * 0.05, dtype)
