@@ -179,11 +179,18 @@ void MatmulPanels(ffi::ThreadPool& pool, const float* x, const Panels<W, kContra
                   int64_t t_size) {
   const int64_t k_size = weights.k_size, n_size = weights.n_size;
   const int64_t panels = (n_size + kPanelWidth - 1) / kPanelWidth;
-  const int64_t items = (panels + kItemPanels - 1) / kItemPanels;
+  // Items of at most kItemPanels panels, as many as a multiple of the thread count where the panels allow, so
+  // that no thread is left with an extra item (SmolLM2's 576 columns: 18 panels of 32 as 6 items of 3, not 5 of
+  // up to 4, which split 3 : 2 over two threads).
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t fewest_items = (panels + kItemPanels - 1) / kItemPanels;
+  const int64_t even_items = std::min(panels, (fewest_items + threads - 1) / threads * threads);
+  const int64_t item_panels = (panels + even_items - 1) / even_items;
+  const int64_t items = (panels + item_panels - 1) / item_panels;
   const int64_t tiles_per_panel = (t_size + kRowBlock - 1) / kRowBlock;
   auto item = [&](int64_t i) {
     alignas(64) float packed[kItemPanels * kDepthBlock * kPanelWidth];
-    const int64_t p_begin = i * kItemPanels, p_end = std::min(panels, p_begin + kItemPanels);
+    const int64_t p_begin = i * item_panels, p_end = std::min(panels, p_begin + item_panels);
     for (int64_t k0 = 0; k0 < k_size; k0 += kDepthBlock) {
       const int64_t depth = std::min(kDepthBlock, k_size - k0);
       for (int64_t p = p_begin; p < p_end; ++p) {
