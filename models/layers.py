@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.rope import apply_rope, rope_inverse_frequencies
+from models.rope import rotate
 from models.sharding import attention_on_mesh
 from pallas_kernels import (
     AttentionMetadata,
@@ -139,9 +139,6 @@ class PagedAttention(nnx.Module):
         self.sliding_window = config.sliding_window
         self.attention_impl = attention_impl
         self.native_matmul = attention_impl == "cpu_native"  # the native CPU kernels run here: small-row matmuls too
-        self.rope_theta = config.rope_theta
-        self.rope_scaling = config.rope_scaling
-        self.rope_freq_factors = config.rope_freq_factors
         self.q_proj = init_param(rngs, (d, n, h), param_dtype, ("embed", "q_heads", "head_dim"))
         self.k_proj = init_param(rngs, (d, k, h), param_dtype, ("embed", "kv_heads", "head_dim"))
         self.v_proj = init_param(rngs, (d, k, h), param_dtype, ("embed", "kv_heads", "head_dim"))
@@ -162,7 +159,7 @@ class PagedAttention(nnx.Module):
     def __call__(
         self,
         x: jax.Array,  # [T, D]
-        positions: jax.Array,  # i32[T]
+        rope: tuple[jax.Array, jax.Array],  # (cos, sin) of each token's angles, f32[T, H // 2] each (rope_angles)
         kv_pages: jax.Array,  # [num_pages, page_size, 2K * H]
         metadata: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:
@@ -177,11 +174,7 @@ class PagedAttention(nnx.Module):
             v = v + self.v_bias[...].astype(dtype)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        # A trace-time constant: the frequencies depend only on the static config.
-        inv_freq = jnp.asarray(
-            rope_inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling, self.rope_freq_factors)
-        )
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q, k = rotate(q, *rope), rotate(k, *rope)
         out, kv_pages = attention_on_mesh(
             q,
             k,

@@ -6,6 +6,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import GatedMLP, PagedAttention, RMSNorm, init_param, project
+from models.rope import rope_angles, rope_inverse_frequencies
 from pallas_kernels import AttentionMetadata
 
 
@@ -22,12 +23,12 @@ class DecoderLayer(nnx.Module):
     def __call__(
         self,
         x: jax.Array,  # [T, D]
-        positions: jax.Array,  # i32[T]
+        rope: tuple[jax.Array, jax.Array],  # (cos, sin), f32[T, head_dim // 2] each
         kv_pages: jax.Array,  # [num_pages, page_size, 2K * H]
         metadata: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:  # ([T, D], kv_pages)
         """Attend (writing this step's K/V into the pages), then the MLP, each around a residual."""
-        attended, kv_pages = self.attention(self.input_norm(x), positions, kv_pages, metadata)
+        attended, kv_pages = self.attention(self.input_norm(x), rope, kv_pages, metadata)
         x = x + attended
         x = x + self.mlp(self.post_attention_norm(x))
         return x, kv_pages
@@ -79,9 +80,16 @@ class Llama(nnx.Module):
     ) -> tuple[jax.Array, list[jax.Array]]:  # ([T, D] final hidden states, kv_caches)
         """Run the ragged batch through every layer, writing its K/V into the pages."""
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.compute_dtype)  # [T, D]
+        # The rotary angles once for every layer (their sines and cosines had been a tenth of the attention block's
+        # time at 32 decode rows, evaluated per layer). inv_freq is a trace-time constant of the static config.
+        config = self.config
+        inv_freq = rope_inverse_frequencies(
+            config.head_dim, config.rope_theta, config.rope_scaling, config.rope_freq_factors
+        )
+        rope = rope_angles(positions, jnp.asarray(inv_freq))
         new_caches = []
         for layer, kv_pages in zip(self.layers, kv_caches, strict=True):
-            x, kv_pages = layer(x, positions, kv_pages, metadata)
+            x, kv_pages = layer(x, rope, kv_pages, metadata)
             new_caches.append(kv_pages)
         return self.final_norm(x), new_caches
 

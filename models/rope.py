@@ -46,15 +46,30 @@ def _llama3_scaled(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
     return np.where(is_medium, smoothed, scaled)
 
 
-def apply_rope(
-    x: jax.Array,  # [T, H, D]
+def rope_angles(
     positions: jax.Array,  # i32[T]
     inv_freq: jax.Array,  # f32[D // 2]
+) -> tuple[jax.Array, jax.Array]:  # (cos, sin), each f32[T, D // 2]
+    """The cosines and sines of every position's rotation angles, computed once for all the heads that use them.
+
+    They leave here materialized (an optimization barrier), so that XLA cannot fuse the sines and cosines into each
+    layer's rotation and evaluate them there again.
+
+    Args:
+      positions: each token's position in its sequence.
+      inv_freq: the rotary frequencies (rope_inverse_frequencies).
+    """
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    return jax.lax.optimization_barrier((jnp.cos(angles), jnp.sin(angles)))
+
+
+def rotate(
+    x: jax.Array,  # [T, H, D]
+    cos: jax.Array,  # f32[T, D // 2]
+    sin: jax.Array,  # f32[T, D // 2]
 ) -> jax.Array:  # [T, H, D]
-    """Rotate the two halves of each head (HF's rotate_half convention)."""
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D // 2]
-    cos = jnp.cos(angles)[:, None, :]  # [T, 1, D // 2]
-    sin = jnp.sin(angles)[:, None, :]
+    """Rotate the two halves of each head by the given angles (HF's rotate_half convention)."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x.dtype)
