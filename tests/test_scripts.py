@@ -329,6 +329,23 @@ def test_bench_throughput_settles_until_the_machine_is_idle(monkeypatch):
     assert 0.1 <= throughput_process.settle(0.0, max_s=0.1) < 1.0
 
 
+def test_bench_throughput_runs_vllm_in_bf16_as_its_own_system(monkeypatch):
+    """vllm_bf16 is vllm's worker (its interpreter, its CPU settings, the HF copy of SmolLM2) with bf16 weights, and
+    is left out of the equal-precision token check, as paxkv_bf16 is."""
+    monkeypatch.syspath_prepend(SCRIPTS)
+    import bench_throughput
+
+    flag_values = type("Flags", (), dict(threads=2, batches="1,32", max_num_batched_tokens=2048))()
+    flag_values.paxkv_kv_cache_mib, flag_values.prompt_len, flag_values.new_tokens = 512, 128, 128
+    sources = {"smollm2": None, "smollm2_gguf": "model.gguf", "smollm2_hf": "hf_folder"}
+    for system, dtype in (("vllm", "float32"), ("vllm_bf16", "bfloat16")):
+        spec = bench_throughput._worker_spec(system, "smollm2", sources, flag_values)
+        assert (spec["system"], spec["source"], spec["weights_dtype"]) == ("vllm", "hf_folder", dtype)
+        env = bench_throughput._worker_env(system, 2, None)
+        assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert "vllm_bf16" in bench_throughput.NOT_EQUAL_PRECISION and "vllm" not in bench_throughput.NOT_EQUAL_PRECISION
+
+
 def test_throughput_report_gives_bf16_its_own_ratio_column(monkeypatch):
     """paxkv_bf16 rows get their own ratio over each peer, and the table says they are not an equal-precision peer."""
     monkeypatch.syspath_prepend(SCRIPTS)
