@@ -6,7 +6,7 @@
 
 // How long the calling thread spins for the other threads' last items before it sleeps. Its sleep and wake-up
 // cost more than one item of a decode step's matmul: with a sleep at once, a chain of dependent one-row matmuls on
-// two cores ran as slowly as on one (a 576 x 576 bf16 weight, 55 us a call; spinning, 38).
+// two cores ran as slowly as on one (a 576 x 576 bf16 weight at one row, 55 us a call; spinning, 31).
 constexpr auto kSpinBeforeSleep = std::chrono::microseconds(50);
 
 // One spin-wait iteration's hint to the core (another hardware thread, or power, may use it).

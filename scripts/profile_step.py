@@ -107,7 +107,7 @@ def _device_split(engine, loaded, rounds: int = 20) -> dict:
     def no_mlp(self, x):
         return jnp.zeros_like(x)
 
-    def no_attention_block(self, x, positions, kv_pages, metadata):
+    def no_attention_block(self, x, rope, kv_pages, metadata):
         return jnp.zeros_like(x), kv_pages
 
     removals = [
