@@ -65,14 +65,13 @@ worker needs only vllm in the --vllm_python environment.
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
-import time
 
+from throughput_machine import checkout_commit, machine_description, matmul_ceiling_gflops, read_bandwidth_gbs
 from throughput_models import RANDOM_LLAMA, RANDOM_LLAMA_SEED, save_random_llama, save_smollm2_hf
 from throughput_process import Worker, WorkerError, settle
-from throughput_report import MATMUL_SIZE, READ_BYTES, add_derived, markdown, plot  # scripts/ is on sys.path
+from throughput_report import add_derived, markdown, plot  # scripts/ is on sys.path
 
 MODELS = ("smollm2", "random_llama")
 SYSTEMS = (
@@ -105,50 +104,6 @@ def _parse_names(text: str, valid: tuple[str, ...], what: str) -> list[str]:
     if bad or not names:
         raise ValueError(f"--{what}: unknown or empty {bad or names}; choose from {', '.join(valid)}")
     return names
-
-
-def _matmul_ceiling_gflops(size: int = MATMUL_SIZE, repeats: int = 10, dtype: str = "float32") -> float:
-    """The matmul ceiling: a jitted jnp.dot of two size x size matrices (bf16: accumulated in f32, as paxkv's bf16
-    weights multiply), best of `repeats`, in GFLOP/s.
-
-    Args:
-      size: the matrices' side.
-      repeats: timed runs after one warm-up.
-      dtype: the operands' dtype.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    a, b = jax.random.normal(jax.random.key(0), (2, size, size), jnp.float32).astype(dtype)
-    dot = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-    dot(a, b).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dot(a, b).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best / 1e9
-
-
-def _read_bandwidth_gbs(num_bytes: int = READ_BYTES, repeats: int = 10) -> float:
-    """The memory read ceiling: a jitted sum over a num_bytes f32 array, best of `repeats`, in GB/s.
-
-    Args:
-      num_bytes: the array's size (far beyond the caches).
-      repeats: timed runs after one warm-up.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones((num_bytes // 4,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    total(x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        total(x).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return num_bytes / best / 1e9
 
 
 def _worker_spec(system: str, model: str, sources: dict, flag_values) -> dict:
@@ -194,29 +149,6 @@ def _prompts(model_index: int, batch: int, call: int, prompt_len: int, vocab_siz
 
     rng = np.random.default_rng([PROMPT_SEED, model_index, batch, call])
     return rng.integers(PROMPT_ID_LOW, vocab_size, (batch, prompt_len)).tolist()
-
-
-def _machine() -> str:
-    """CPU model, core count and memory, in words."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{cpu}, {os.cpu_count()} cpus, {memory:.0f} GiB, {platform.system()} {platform.machine()}"
-
-
-def _commit(root: str | None = None) -> str | None:
-    """The commit of this checkout (or of `root`), with +dirty when the tree has changes."""
-    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True)
-    except OSError:
-        return None
-    return commit.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if commit.returncode == 0 else None
 
 
 class _ModelBench:
@@ -438,7 +370,7 @@ def main(argv):
         "model_shape": {},
         "roofline_gflops_bf16": None,
         "skipped": [],
-        "machine": _machine(),
+        "machine": machine_description(),
         "params": {},
         "params_by_system": {},
         "vocab_size": {},
@@ -457,8 +389,8 @@ def main(argv):
             "ignore_eos": True,
         },
         "random_llama_config": {**RANDOM_LLAMA, "seed": RANDOM_LLAMA_SEED},
-        "paxkv_commit": _commit(),
-        "baseline_commit": _commit(flag_values.baseline) if flag_values.baseline else None,
+        "paxkv_commit": checkout_commit(),
+        "baseline_commit": checkout_commit(flag_values.baseline) if flag_values.baseline else None,
         "versions": {
             "python": platform.python_version(),
             **{name: importlib.metadata.version(name) for name in ("jax", "torch", "transformers")},
@@ -470,9 +402,9 @@ def main(argv):
         "errors": [],
     }
     print("-- measuring the f32 matmul ceiling", file=sys.stderr)
-    result["roofline_gflops"] = _matmul_ceiling_gflops()
-    result["roofline_gflops_bf16"] = _matmul_ceiling_gflops(dtype="bfloat16")
-    result["read_bandwidth_gbs"] = _read_bandwidth_gbs()
+    result["roofline_gflops"] = matmul_ceiling_gflops()
+    result["roofline_gflops_bf16"] = matmul_ceiling_gflops(dtype="bfloat16")
+    result["read_bandwidth_gbs"] = read_bandwidth_gbs()
     print(
         f"-- ceiling {result['roofline_gflops']:.0f} GFLOP/s, reads {result['read_bandwidth_gbs']:.1f} GB/s",
         file=sys.stderr,
