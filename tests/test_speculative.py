@@ -1,97 +1,17 @@
-"""Speculative decoding: the n-gram index against a rescan, verification against a loop, and the engine's output,
-which speculation must leave exactly as it was (the budget's decisions: test_draft_budget.py; the scheduler's side:
-test_speculative_scheduling.py)."""
+"""Speculative decoding in the engine: its output, which speculation must leave exactly as it was (the n-gram index
+and acceptance counts: test_ngram_and_acceptance.py; the budget's decisions: test_draft_budget.py; the scheduler's
+side: test_speculative_scheduling.py)."""
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import models
 from paxkv.config import EngineConfig, SpeculativeConfig
 from paxkv.core.engine import Engine
 from paxkv.entrypoints.batch_runner import drain
-from paxkv.execution.verification import DraftRows, count_accepted, emitted_candidates
 from paxkv.scheduling.sampling_params import SamplingParams
-from paxkv.speculation.ngram_proposer import NgramIndex
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-
-
-def rescan_proposal(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[list[int], int]:
-    """The proposal by a full rescan: the longest recurring suffix, its latest earlier end, wrapped past the end;
-    and that suffix's length."""
-    length = len(tokens)
-    for n in range(min(max_n, length), min_n - 1, -1):
-        suffix = tokens[length - n :]
-        ends = [e for e in range(n, length) if tokens[e - n : e] == suffix]
-        if ends:
-            virtual = list(tokens)
-            for i in range(k):
-                virtual.append(virtual[max(ends) + i])
-            return virtual[length:], n
-    return [], 0
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    st.lists(st.integers(0, 3), min_size=1, max_size=40),
-    st.lists(st.integers(1, 6), min_size=1, max_size=6),
-    st.integers(1, 3),
-    st.integers(0, 2),
-)
-def test_the_index_proposes_what_a_rescan_finds_as_tokens_arrive(tokens, growth, max_n, extra):
-    """Grown step by step (prompt first, then outputs), the index agrees with a rescan of everything each time."""
-    min_n, max_n = max(1, max_n - extra), max_n
-    index = NgramIndex(min_n, max_n)
-    prompt, output = tokens[:5], []
-    rest = tokens[5:]
-    for size in [0, *growth]:
-        output += rest[:size]
-        rest = rest[size:]
-        assert index.propose(prompt, output, 5) == rescan_proposal(prompt + output, min_n, max_n, 5)
-
-
-def test_the_index_prefers_the_longest_match_and_continues_a_loop():
-    index = NgramIndex(1, 3)
-    # "7 8 9" recurs: after "... 7 8 9" comes "4"; the 1-gram "9" alone would also match the first "9 4".
-    assert index.propose([7, 8, 9, 4, 5, 9, 6, 7, 8, 9], [], 3) == ([4, 5, 9], 3)
-    assert NgramIndex(1, 2).propose([1, 2, 1, 2], [], 5) == ([1, 2, 1, 2, 1], 2)  # a loop keeps looping
-    assert NgramIndex(1, 2).propose([1, 2, 3], [], 4) == ([], 0)  # nothing recurs
-    with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max"):
-        NgramIndex(3, 2)
-
-
-def test_acceptance_counts_leading_matches_per_row_like_a_loop():
-    rng = np.random.default_rng(0)
-    for _ in range(20):
-        num_rows = int(rng.integers(1, 6))
-        counts = rng.integers(0, 4, num_rows)
-        rows = np.repeat(np.arange(num_rows), counts)
-        index = np.concatenate([np.arange(c) for c in counts]) if counts.sum() else np.zeros(0, int)
-        drafts = rng.integers(0, 3, len(rows))
-        samples = rng.integers(0, 3, len(rows))
-        padding = 8 - len(rows) % 8
-        draft_rows = DraftRows(
-            logits_indices=np.zeros(len(rows) + padding, np.int32),
-            tokens=np.concatenate([drafts, np.full(padding, -2)]).astype(np.int32),
-            rows=np.concatenate([rows, np.full(padding, num_rows)]).astype(np.int32),
-            index=np.concatenate([index, np.zeros(padding)]).astype(np.int32),
-            sampling=None,
-        )
-        samples = np.concatenate([samples, np.zeros(padding)]).astype(np.int32)
-        expected = []
-        for row in range(num_rows):
-            accepted = 0
-            for j in np.flatnonzero(rows == row):
-                if samples[j] != drafts[j]:
-                    break
-                accepted += 1
-            expected.append(accepted)
-        assert count_accepted(samples, draft_rows, num_rows).tolist() == expected
-    assert (
-        emitted_candidates(3, 1) == [1, 2] and emitted_candidates(2, 2) == [1, 2, 0] and emitted_candidates(0, 0) == [0]
-    )
 
 
 @pytest.fixture(scope="module")
@@ -143,11 +63,12 @@ def _assert_same_output(speculated: dict, plain: dict, num_prompts: int = 32) ->
         assert max(speculated[key][1]) < -0.01, key
 
 
-def _generate(loaded, speculative, params=_greedy, num_prompts: int = 32, **config):
+def _generate(loaded, speculative, params=_greedy, num_prompts: int = 32, prepare=None, **config):
     """The first `num_prompts` prompts' (tokens, logprobs, finish reason) and the engine that made them.
 
     Args:
       params: prompt index -> its SamplingParams.
+      prepare: called with the engine before the requests are added, or None.
     """
     # 64 pages are too few for 16 requests at their longest: some are preempted. Steps pad to 16 rows (and draft rows)
     # and 128 tokens, for fewer programs to compile (smaller steps: test_engine; row floors below the row count: the
@@ -161,6 +82,8 @@ def _generate(loaded, speculative, params=_greedy, num_prompts: int = 32, **conf
         "min_padded_tokens": 128,
     }
     engine = Engine(loaded, EngineConfig(**{**defaults, **config}, speculative_config=speculative))
+    if prepare is not None:
+        prepare(engine)
     for index, prompt in enumerate(_prompts()[:num_prompts]):
         engine.add_request(str(index), prompt, params(index))
     results = {}
@@ -227,15 +150,16 @@ def test_a_draft_model_leaves_greedy_output_unchanged_through_preemption_by_swap
 
 def test_the_target_as_its_own_draft_has_every_draft_accepted(engine_llama_checkpoint, loaded, greedy_reference):
     """Drafting with the target's own weights, every draft is the target's next token, and so stands, if and only if
-    the draft's KV covers exactly the tokens the target's does: through prefill chunks, preemption by recompute,
-    prefix-cache hits and rolled-back positions."""
+    the draft's KV covers exactly the tokens the target's does: caught up over whole prompts at a request's first
+    draft, through preemption by recompute, prefix-cache hits and rolled-back positions."""
     speculated, engine = _generate(loaded, _draft_model(engine_llama_checkpoint), preemption_mode="recompute")
     _assert_same_output(speculated, greedy_reference)
     metrics = engine.metrics
     assert metrics.num_draft_tokens > 200 and metrics.num_accepted_draft_tokens == metrics.num_draft_tokens
     assert metrics.num_preemptions_recompute > 0
-    # Four prompts fit the same pool whole, and their full pages then serve the same prompts again, with the draft's
-    # KV in them (the same pool shape: the programs above serve this run too).
+    # Four prompts fit the same pool whole, and their full pages then serve the same prompts again; the draft catches
+    # up over them, as it may not have run over a cached page (the same pool shape: the programs above serve this
+    # run too).
     _, engine = _generate(loaded, _draft_model(engine_llama_checkpoint), num_prompts=4)
     assert engine.metrics.num_preemptions == 0
     for index, prompt in enumerate(_prompts()[:4]):
@@ -244,6 +168,47 @@ def test_the_target_as_its_own_draft_has_every_draft_accepted(engine_llama_check
     assert again == {f"again{i}": greedy_reference[str(i), 0][0] for i in range(4)}
     metrics = engine.metrics
     assert metrics.prefix_hit_tokens > 0 and metrics.num_accepted_draft_tokens == metrics.num_draft_tokens
+
+
+def test_a_draft_model_runs_only_when_a_row_drafts_and_then_catches_up(
+    engine_llama_checkpoint, loaded, greedy_reference
+):
+    """While the budget drafts nothing (as adaptive speculation does where drafts do not pay), no draft program runs
+    at all; a row that then drafts catches the draft up over every token it skipped, its prompt and its plain
+    decoding steps, in catch-up programs of their own where that exceeds the step's token budget. Drafting with the
+    target's own weights, every draft stands only if that caught-up KV is exactly the target's."""
+    plain_steps, programs_before, first_drafts = 12, [], {}
+
+    def prepare(engine):
+        allot, proposer = engine.drafter.budget.allot, engine.runner.draft
+        fill = proposer.fill
+
+        def allot_none_at_first(*args, **kwargs):
+            counts = allot(*args, **kwargs)
+            programs_before.append(proposer.num_drafting_programs + proposer.num_catch_up_programs)
+            return [0] * len(counts) if len(programs_before) <= plain_steps else counts
+
+        def fill_noting_first_drafts(batch, kv_caches, seed_of):
+            for sequence in batch.sequences:
+                request = sequence.request
+                if sequence.num_draft_tokens and request.request_id not in first_drafts:
+                    first_drafts[request.request_id] = (request.num_draft_computed, sequence.positions[0])
+            return fill(batch, kv_caches, seed_of)
+
+        engine.drafter.budget.allot, proposer.fill = allot_none_at_first, fill_noting_first_drafts
+
+    speculated, engine = _generate(loaded, _draft_model(engine_llama_checkpoint), prepare=prepare)
+    _assert_same_output(speculated, greedy_reference)
+    proposer, metrics, prompts = engine.runner.draft, engine.metrics, _prompts()
+    assert programs_before[plain_steps] == 0  # none in the plain steps
+    assert metrics.num_draft_tokens > 200 and metrics.num_accepted_draft_tokens == metrics.num_draft_tokens
+    # A first draft comes after the whole prompt, from a draft that never ran for the request; some after plain
+    # decoding steps too. Every token before a row's last one is caught up.
+    assert len(first_drafts) > 16 and all(start == 0 for start, _ in first_drafts.values())
+    assert all(last >= len(prompts[int(i)]) - 1 for i, (_, last) in first_drafts.items())
+    assert any(last > len(prompts[int(i)]) for i, (_, last) in first_drafts.items())
+    assert proposer.num_catch_up_tokens >= sum(last for _, last in first_drafts.values())
+    assert proposer.num_catch_up_programs > 0 and proposer.num_drafting_programs < metrics.num_steps
 
 
 def test_the_target_as_its_own_draft_has_every_sampled_draft_accepted(engine_llama_checkpoint, loaded):

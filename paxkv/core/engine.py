@@ -25,6 +25,7 @@ from paxkv.scheduling.preemption import PreemptionPolicy
 from paxkv.scheduling.request import Request
 from paxkv.scheduling.request_checks import check_request
 from paxkv.scheduling.sampling_params import SamplingParams
+from paxkv.scheduling.scheduled_batch import ScheduledBatch
 from paxkv.scheduling.scheduler import Scheduler
 from paxkv.scheduling.stopping import NONFINITE_TOKEN
 from paxkv.speculation.drafter import Drafter
@@ -148,12 +149,8 @@ class Engine:
             if sequence.completes_prompt
         }
         new_tokens = {request_id: [int(sampled.tokens[c]) for c in rows] for request_id, rows in emitted.items()}
-        if self.drafter is not None and self.runner.last_step_compiled:  # what trying an unseen shape costs
-            self.drafter.budget.observe_compile(time.monotonic() - start)
-        elif self.drafter is not None:  # the step's cost at its T and R (per replica)
-            num_tokens = max(replica.num_batched_tokens for replica in batch.replica_batches)
-            num_drafts = max(num_draft_rows(replica) for replica in batch.replica_batches)
-            self.drafter.budget.observe_step(num_tokens, time.monotonic() - start, num_drafts)
+        if self.drafter is not None:
+            self._observe_step_cost(batch, time.monotonic() - start)
         outcome = self.scheduler.update(batch, new_tokens)
         self.outputs.adopt(outcome.forked)
         taken = {request_id: emitted[request_id][:count] for request_id, count in outcome.num_taken.items()}
@@ -165,6 +162,19 @@ class Engine:
         self.metrics.num_pages_swapped = self.runner.num_pages_swapped
         self.metrics.num_compilations = self.num_compilations
         return outputs
+
+    def _observe_step_cost(self, batch: ScheduledBatch, seconds: float) -> None:
+        """Give the draft budget the step's time: as a compile's where it compiled (what trying an unseen shape
+        costs), else as its T and R's (per replica), unless a draft model first caught up over more tokens than
+        the step runs (once a request: its prompt, the first time it drafts), which is no cost of the shape."""
+        if self.runner.last_step_compiled:
+            self.drafter.budget.observe_compile(seconds)
+            return
+        num_tokens = max(replica.num_batched_tokens for replica in batch.replica_batches)
+        if self.runner.draft is not None and self.runner.draft.last_catch_up_tokens > num_tokens:
+            return
+        num_drafts = max(num_draft_rows(replica) for replica in batch.replica_batches)
+        self.drafter.budget.observe_step(num_tokens, seconds, num_drafts)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its output so far comes back with finish_reason "abort".

@@ -1,12 +1,14 @@
 """A draft model's proposals: before each step, a smaller model with the target's vocabulary drafts the tokens the
 step verifies, in one jitted program per step.
 
-The draft keeps its KV in the same pages as the target (its layers follow the target's in the pool), and it runs
-over every token the target runs, so both caches always cover the same positions:
-- first the step's tokens without their drafts (prefill chunks and each decoding row's last token), which writes
-  their draft KV and gives each speculating row its first draft from the last token's logits;
-- then k single-token iterations (a fori_loop) over the speculating rows: iteration j writes the KV of draft j
-  and drafts token j + 1.
+The draft keeps its KV in the same pages as the target (its layers follow the target's in the pool), and runs over
+the drafting rows only, so a step without drafts runs no draft at all. Its KV therefore lags the target's where a
+request did not draft (a prefill, a plain step); Request.num_draft_computed says how far it reaches. A drafting row
+runs, in one program:
+- first its tokens the draft lacks, through its last token (a prefill chunk of the skipped tokens, or just the last
+  token when it drafted the step before), which writes their draft KV and gives its first draft from the last
+  token's logits;
+- then k single-token iterations (a fori_loop): iteration j writes the KV of draft j and drafts token j + 1.
 Whatever the verification accepts, the draft KV up to the last accepted token is then valid, exactly as the
 target's is; rejected positions are overwritten by the next step that reaches them.
 
@@ -115,25 +117,36 @@ def num_draft_compilations() -> int:
     return propose_drafts._cache_size()
 
 
-def without_drafts(sequence: ScheduledSequence) -> ScheduledSequence:
-    """A sequence's share of the step less its drafts: what the draft model runs over for it."""
-    count = sequence.num_draft_tokens
-    if not count:
-        return sequence
-    keep = sequence.num_new_tokens - count
+def last_position(sequence: ScheduledSequence) -> int:
+    """The position of a drafting sequence's last token before its drafts (its drafts follow it)."""
+    return sequence.positions[sequence.num_new_tokens - sequence.num_draft_tokens - 1]
+
+
+def draft_span(sequence: ScheduledSequence, start: int, stop: int, page_size: int) -> ScheduledSequence:
+    """What the draft model runs for a drafting sequence: its request's tokens at positions [start, stop), which the
+    draft's KV lacks (stop - 1 at most the sequence's last token), written to their slots in the request's pages."""
+    positions = list(range(start, stop))
+    block_table = sequence.block_table
     return dataclasses.replace(
         sequence,
-        token_ids=sequence.token_ids[:keep],
-        positions=sequence.positions[:keep],
-        slots=sequence.slots[:keep],
-        kv_len=sequence.kv_len - count,
+        token_ids=sequence.request.all_token_ids[start:stop],
+        positions=positions,
+        slots=[block_table[p // page_size] * page_size + p % page_size for p in positions],
+        kv_len=stop,
+        completes_prompt=True,
         num_draft_tokens=0,
     )
 
 
 class DraftModelProposer:
     """Runs a draft model beside the target: fills in the drafts the scheduler reserved room for (placeholders
-    until then), keeping the draft's KV in step with the target's."""
+    until then), over the drafting rows only.
+
+    The draft's KV follows the target's lazily: a step in which no row drafts runs no draft model at all (so
+    adaptive speculation that drafts nothing costs nothing), and a row that drafts first catches the draft up over
+    the tokens it skipped (Request.num_draft_computed; its whole prompt the first time), in the drafting program
+    itself, or in catch-up programs before it when the catch-up exceeds the token budget.
+    """
 
     def __init__(
         self,
@@ -162,26 +175,63 @@ class DraftModelProposer:
         self.padding = padding
         self.mesh = mesh
         self._graph = static_graph(draft.graphdef)
+        self.num_drafting_programs = 0  # draft programs run that drafted (at most one a step)
+        self.num_catch_up_programs = 0  # programs that only caught the draft up, before a drafting one
+        self.num_catch_up_tokens = 0  # tokens the draft ran before a drafting row's last token (catching up)
+        self.last_fill_compiled = False  # whether the last fill compiled a draft program
+        self.last_catch_up_tokens = 0  # the last fill's catch-up tokens
 
     def fill(
         self, batch: ScheduledBatch, kv_caches: list, seed_of: Callable[[str], int]
     ) -> tuple[ScheduledBatch, list]:
-        """Run the draft over the step's tokens and return the batch with its drafts filled in, and the draft layers.
+        """Catch the draft up over the drafting rows' tokens and return the batch with their drafts filled in, and
+        the draft layers; the batch as it is where no row drafts.
 
         Args:
           batch: the scheduled step, its drafts placeholders.
           kv_caches: the draft's layers of the pool (donated).
           seed_of: request id -> the seed of its samples (the target's: drafts are drawn with the same keys).
         """
-        plain = [
-            dataclasses.replace(
-                replica,
-                sequences=[without_drafts(s) for s in replica.sequences],
-                num_batched_tokens=replica.num_batched_tokens - sum(s.num_draft_tokens for s in replica.sequences),
-            )
-            for replica in batch.replica_batches
+        self.last_fill_compiled, self.last_catch_up_tokens = False, 0
+        drafting = [[s for s in replica.sequences if s.num_draft_tokens] for replica in batch.replica_batches]
+        if not any(drafting):
+            return batch, kv_caches
+        compiled_before = num_draft_compilations()
+        # Per replica, each drafting row's tokens the draft lacks: [start, stop), stop - 1 its last token.
+        spans = [
+            [(s, min(s.request.num_draft_computed, last_position(s)), last_position(s) + 1) for s in rows]
+            for rows in drafting
         ]
-        padded_sizes = shared_padded_sizes(plain, self.max_num_batched_tokens, self.max_num_seqs, self.padding)
+        self.last_catch_up_tokens = sum(stop - start - 1 for rows in spans for _, start, stop in rows)
+        self.num_catch_up_tokens += self.last_catch_up_tokens
+        if max(sum(stop - start for _, start, stop in rows) for rows in spans) > self.max_num_batched_tokens:
+            for chunk in _catch_up_chunks(spans, self.max_num_batched_tokens):
+                _, kv_caches = self._run(chunk, kv_caches, [[] for _ in chunk], seed_of)
+                self.num_catch_up_programs += 1
+            spans = [[(s, stop - 1, stop) for s, _, stop in rows] for rows in spans]
+        drafts, kv_caches = self._run(spans, kv_caches, drafting, seed_of)
+        self.num_drafting_programs += 1
+        self.last_fill_compiled = num_draft_compilations() > compiled_before
+        return _with_drafts(batch, host_value(drafts)), kv_caches
+
+    def _run(
+        self,
+        spans: list[list[tuple[ScheduledSequence, int, int]]],
+        kv_caches: list,
+        drafting: list[list[ScheduledSequence]],
+        seed_of: Callable[[str], int],
+    ) -> tuple[jax.Array, list]:
+        """One draft program over every replica's spans (rows in order), drafting for `drafting`, the rows whose
+        span ends at their last token (none: a catch-up program)."""
+        replicas = [
+            ReplicaBatch(
+                sequences=[draft_span(s, start, stop, self.page_size) for s, start, stop in rows],
+                num_batched_tokens=sum(stop - start for _, start, stop in rows),
+                preempted_request_ids=[],
+            )
+            for rows in spans
+        ]
+        padded_sizes = shared_padded_sizes(replicas, self.max_num_batched_tokens, self.max_num_seqs, self.padding)
         inputs = [
             StepInputs.from_batch(
                 replica,
@@ -190,29 +240,51 @@ class DraftModelProposer:
                 pages_per_seq=self.pages_per_seq,
                 padded_sizes=padded_sizes,
             )
-            for replica in plain
+            for replica in replicas
         ]
-        proposing = _proposing_rows(batch.replica_batches, padded_sizes[1], seed_of)
+        proposing = _proposing_rows(drafting, padded_sizes[1], seed_of)
         stacked = jax.tree.map(lambda *leaves: np.stack(leaves), *inputs)
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            drafts, kv_caches = propose_drafts(
+            return propose_drafts(
                 self._graph, self.draft.state, kv_caches, stacked, proposing, self.page_size, self.num_drafts
             )
-        return _with_drafts(batch, host_value(drafts)), kv_caches
 
 
-def _proposing_rows(replicas: list[ReplicaBatch], num_rows: int, seed_of: Callable[[str], int]) -> ProposingRows:
-    """The speculating rows of every replica, padded to the step's S rows: one draft program per (T, S) bucket, as
-    the target's forward, at the price of padding rows in the drafting loop when few rows speculate."""
-    speculating = [[i for i, s in enumerate(b.sequences) if s.num_draft_tokens] for b in replicas]
-    rows, positions, num_drafts = (np.zeros((len(replicas), num_rows), np.int32) for _ in range(3))
+def _catch_up_chunks(
+    spans: list[list[tuple[ScheduledSequence, int, int]]], max_tokens: int
+) -> list[list[list[tuple[ScheduledSequence, int, int]]]]:
+    """The rows' tokens before their last, [start, stop - 1), in programs of at most `max_tokens` tokens: per
+    program, per replica, (sequence, start, stop) pieces in row order (a row's tokens may span programs)."""
+    per_replica = []
+    for rows in spans:
+        chunks, chunk, room = [], [], max_tokens
+        for sequence, start, stop in rows:
+            while start < stop - 1:
+                take = min(stop - 1 - start, room)
+                chunk.append((sequence, start, start + take))
+                start, room = start + take, room - take
+                if not room:
+                    chunks.append(chunk)
+                    chunk, room = [], max_tokens
+        if chunk:
+            chunks.append(chunk)
+        per_replica.append(chunks)
+    num_programs = max(len(chunks) for chunks in per_replica)
+    return [[chunks[i] if i < len(chunks) else [] for chunks in per_replica] for i in range(num_programs)]
+
+
+def _proposing_rows(
+    drafting: list[list[ScheduledSequence]], num_rows: int, seed_of: Callable[[str], int]
+) -> ProposingRows:
+    """Per replica, the drafting sequences (the program's first rows, in order), padded to the program's S rows:
+    one draft program per (T, S) bucket, at the price of padding rows in the drafting loop when few rows speculate."""
+    rows, positions, num_drafts = (np.zeros((len(drafting), num_rows), np.int32) for _ in range(3))
     samplings = []
-    for replica, (batch, indices) in enumerate(zip(replicas, speculating, strict=True)):
+    for replica, sequences in enumerate(drafting):
         params, first_positions, seeds = [], [], []
-        for place, index in enumerate(indices):
-            sequence = batch.sequences[index]
-            rows[replica, place] = index
-            positions[replica, place] = sequence.positions[sequence.num_new_tokens - sequence.num_draft_tokens - 1]
+        for place, sequence in enumerate(sequences):
+            rows[replica, place] = place
+            positions[replica, place] = last_position(sequence)
             num_drafts[replica, place] = sequence.num_draft_tokens
             params.append(sequence.request.sampling_params)
             first_positions.append(int(positions[replica, place]) + 1)

@@ -172,7 +172,7 @@ class ModelRunner:
         num_draft_rows = 0 if step_batch.drafts is None else step_batch.drafts.tokens.shape[-1]
         shape = (num_tokens, num_rows, step_batch.token_counts is not None, step_batch.suppress is not None)
         shape = (*shape, with_logprobs, greedy_only, num_draft_rows)
-        self.last_step_compiled = self._record(shape)
+        self.last_step_compiled = self._record(shape) or (self.draft is not None and self.draft.last_fill_compiled)
         # Under the mesh, a Pallas kernel runs per model shard (models.sharding.attention_on_mesh).
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             sampled, target_layers = run_step(

@@ -114,6 +114,7 @@ class SampleForks:
                 status=RequestStatus.RUNNING,
                 block_table=list(request.block_table),
                 num_computed_tokens=request.num_computed_tokens,
+                num_draft_computed=request.num_draft_computed,
                 arrival_index=request.arrival_index,
                 arrival_time=request.arrival_time,
                 cache_salt=request.cache_salt,

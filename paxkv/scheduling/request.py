@@ -36,6 +36,9 @@ class Request:
     stop_reason: int | str | None = None
     block_table: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
+    # A speculative draft model's KV lies in the same pages for all_token_ids[:num_draft_computed] only: the draft
+    # runs over a request's tokens lazily, catching up when the request next drafts (DraftModelProposer).
+    num_draft_computed: int = 0
     # Set by Scheduler.add_request; the scheduler orders and preempts by it, never by arrival_time.
     arrival_index: int = -1
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)

@@ -84,4 +84,5 @@ class RequestPages:
         self.allocator.free(request.block_table)
         request.block_table = []
         request.num_computed_tokens = 0
+        request.num_draft_computed = 0
         request.num_cached_pages = 0
