@@ -197,7 +197,7 @@ def main(argv):
         while repeat < num_warmups + FLAGS.repeats:
             compiled_in_run = False
             for name, llm in engines.items():
-                programs = len(llm.engine.runner.step_shapes)
+                programs = llm.engine.num_compilations  # the draft model's programs too
                 seconds, tokens, counts = _run(llm, prompts, FLAGS.max_tokens, temperature)
                 reference = tokens if reference is None else reference
                 # Requests whose tokens differ from plain decoding's. Greedy ones must not; a sampled one may where
@@ -206,11 +206,11 @@ def main(argv):
                 mismatched[name] = max(mismatched[name], sum(t != r for t, r in zip(tokens, reference, strict=True)))
                 if temperature == 0 and mismatched[name]:
                     raise SystemExit(f"{name} changed greedy tokens ({workload}, batch {batch})")
-                compiled_in_run |= len(llm.engine.runner.step_shapes) > programs
+                compiled_in_run |= llm.engine.num_compilations > programs
                 if repeat >= num_warmups:
                     times[name].append(seconds)
                     counters[name] = counts
-                    compiled[name] += len(llm.engine.runner.step_shapes) - programs
+                    compiled[name] += llm.engine.num_compilations - programs
             if repeat == num_warmups - 1 and compiled_in_run and num_warmups < FLAGS.max_warmups:
                 num_warmups += 1  # a warm-up still compiled: one more, so the timed runs see the steady state
             repeat += 1

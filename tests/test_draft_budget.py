@@ -131,3 +131,22 @@ def test_with_nothing_waiting_only_the_rows_with_the_most_left_draft():
     assert drafted_rows(True) == [0, 1]  # within 4 drafts of the 90 tokens the longest has left
     drafter.budget.adaptive = False  # drafting every proposal means every one
     assert drafted_rows(True) == [0, 1, 2, 3]
+
+
+def test_a_draft_models_catch_ups_share_the_token_budget_in_running_order():
+    """A draft model catches a row up over the tokens it skipped before it drafts: a step's catch-ups take at most
+    its token budget, except the first row catching up, whatever its size (so none waits forever); rows whose
+    draft KV is complete draft whatever the catch-ups took."""
+    params = SamplingParams(temperature=0.0, max_tokens=100)
+    sequences = []
+    for index, skipped in enumerate([0, 90, 30, 0, 20, 10]):  # tokens each row's draft KV lacks
+        request = Request(str(index), list(range(100)), params)
+        request.num_computed_tokens = request.num_tokens - 1
+        request.num_draft_computed = request.num_computed_tokens - skipped
+        sequences.append(ScheduledSequence(request, [5], [request.num_tokens - 1], [0], [0], request.num_tokens, True))
+    config = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=2, adaptive=False)
+    drafter = Drafter(config)
+    # A budget of 64 (4 tokens so far): row 1's 90 go first; then rows 2 and 4 do not fit, and row 5's 10 would not.
+    assert [index for index, _ in drafter.choose(sequences, 4, 60, 1000)] == [0, 1, 3]
+    sequences[1].request.num_draft_computed = sequences[1].request.num_computed_tokens  # caught up
+    assert [index for index, _ in drafter.choose(sequences, 4, 60, 1000)] == [0, 1, 2, 3, 4, 5]  # 60 of 64

@@ -170,45 +170,80 @@ def test_the_target_as_its_own_draft_has_every_draft_accepted(engine_llama_check
     assert metrics.prefix_hit_tokens > 0 and metrics.num_accepted_draft_tokens == metrics.num_draft_tokens
 
 
+def _skipping_drafts(plain_steps: int, starts: list, skip_catch_up: bool = False):
+    """A `prepare` for _generate: the budget drafts nothing in its first `plain_steps` calls and in every third after
+    them; `starts` gets, per step before it, the draft programs run so far, and per drafting row (request id, where
+    the draft's KV reaches, its last token's position); with `skip_catch_up`, the draft runs from each row's last
+    token as if its KV were complete (a control)."""
+
+    def prepare(engine):
+        allot, proposer = engine.drafter.budget.allot, engine.runner.draft
+        fill, calls = proposer.fill, []
+
+        def allot_skipping(*args, **kwargs):
+            counts = allot(*args, **kwargs)
+            calls.append(proposer.num_drafting_programs + proposer.num_catch_up_programs)
+            skip = len(calls) <= plain_steps or len(calls) % 3 == 0
+            return [0] * len(counts) if skip else counts
+
+        def fill_noting_starts(batch, kv_caches, seed_of):
+            for sequence in batch.sequences:
+                if sequence.num_draft_tokens:
+                    request = sequence.request
+                    if skip_catch_up:
+                        request.num_draft_computed = sequence.positions[0]
+                    starts.append((request.request_id, request.num_draft_computed, sequence.positions[0]))
+            return fill(batch, kv_caches, seed_of)
+
+        engine.drafter.budget.allot, proposer.fill = allot_skipping, fill_noting_starts
+        engine.programs_before_step = calls
+
+    return prepare
+
+
 def test_a_draft_model_runs_only_when_a_row_drafts_and_then_catches_up(
     engine_llama_checkpoint, loaded, greedy_reference
 ):
     """While the budget drafts nothing (as adaptive speculation does where drafts do not pay), no draft program runs
-    at all; a row that then drafts catches the draft up over every token it skipped, its prompt and its plain
-    decoding steps, in catch-up programs of their own where that exceeds the step's token budget. Drafting with the
-    target's own weights, every draft stands only if that caught-up KV is exactly the target's."""
-    plain_steps, programs_before, first_drafts = 12, [], {}
-
-    def prepare(engine):
-        allot, proposer = engine.drafter.budget.allot, engine.runner.draft
-        fill = proposer.fill
-
-        def allot_none_at_first(*args, **kwargs):
-            counts = allot(*args, **kwargs)
-            programs_before.append(proposer.num_drafting_programs + proposer.num_catch_up_programs)
-            return [0] * len(counts) if len(programs_before) <= plain_steps else counts
-
-        def fill_noting_first_drafts(batch, kv_caches, seed_of):
-            for sequence in batch.sequences:
-                request = sequence.request
-                if sequence.num_draft_tokens and request.request_id not in first_drafts:
-                    first_drafts[request.request_id] = (request.num_draft_computed, sequence.positions[0])
-            return fill(batch, kv_caches, seed_of)
-
-        engine.drafter.budget.allot, proposer.fill = allot_none_at_first, fill_noting_first_drafts
-
-    speculated, engine = _generate(loaded, _draft_model(engine_llama_checkpoint), prepare=prepare)
+    at all; a row that then drafts catches the draft up over every token it skipped (its prompt, its plain decoding
+    steps), in catch-up programs of their own where that exceeds the step's token budget. Drafting with the target's
+    own weights, every draft stands only if that caught-up KV is exactly the target's (preemption by swap here; by
+    recompute, prefix-cache hits: the test below), which the control without catch-up shows."""
+    plain_steps, starts = 12, []
+    draft = _draft_model(engine_llama_checkpoint)
+    budget = {"max_num_batched_tokens": 64, "min_padded_tokens": 64}  # prompts of up to 69 tokens exceed it
+    prepare = _skipping_drafts(plain_steps, starts)
+    speculated, engine = _generate(loaded, draft, prepare=prepare, preemption_mode="swap", **budget)
     _assert_same_output(speculated, greedy_reference)
     proposer, metrics, prompts = engine.runner.draft, engine.metrics, _prompts()
-    assert programs_before[plain_steps] == 0  # none in the plain steps
-    assert metrics.num_draft_tokens > 200 and metrics.num_accepted_draft_tokens == metrics.num_draft_tokens
-    # A first draft comes after the whole prompt, from a draft that never ran for the request; some after plain
-    # decoding steps too. Every token before a row's last one is caught up.
-    assert len(first_drafts) > 16 and all(start == 0 for start, _ in first_drafts.values())
-    assert all(last >= len(prompts[int(i)]) - 1 for i, (_, last) in first_drafts.items())
-    assert any(last > len(prompts[int(i)]) for i, (_, last) in first_drafts.items())
-    assert proposer.num_catch_up_tokens >= sum(last for _, last in first_drafts.values())
+    assert engine.programs_before_step[plain_steps] == 0  # none in the plain steps
+    assert metrics.num_draft_tokens > 60 and metrics.num_accepted_draft_tokens == metrics.num_draft_tokens
+    assert metrics.num_preemptions_swap > 0
+    # A request's first draft comes from a draft that never ran for it, some after plain decoding steps; later ones
+    # after the skipped steps catch up over a few tokens. Some catch-ups take programs of their own.
+    first = {}
+    for request_id, start, last in starts:
+        first.setdefault(request_id, (start, last))
+    assert len(first) > 16 and all(start == 0 for start, _ in first.values())
+    assert any(last > len(prompts[int(i)]) for i, (_, last) in first.items())
+    assert any(0 < start < last for _, start, last in starts)
     assert proposer.num_catch_up_programs > 0 and proposer.num_drafting_programs < metrics.num_steps
+
+    # The control: the same schedule with the draft run from each row's last token alone.
+    _, control = _generate(loaded, draft, prepare=_skipping_drafts(plain_steps, [], skip_catch_up=True), **budget)
+    assert control.metrics.num_accepted_draft_tokens < 0.8 * control.metrics.num_draft_tokens
+
+
+def test_forked_samples_catch_the_draft_up_over_their_shared_prompt(engine_llama_checkpoint, loaded):
+    """n = 2: the samples share their prompt's pages (forked before any drafted, so each catches the draft up over
+    them), and the target as its own draft still has every draft accepted."""
+
+    def two_samples(index: int) -> SamplingParams:
+        return SamplingParams(n=2, temperature=0.9, seed=index, max_tokens=12, ignore_eos=True, logprobs=0)
+
+    _, engine = _generate(loaded, _draft_model(engine_llama_checkpoint), two_samples, num_prompts=6)
+    metrics = engine.metrics
+    assert metrics.num_draft_tokens > 40 and metrics.num_accepted_draft_tokens == metrics.num_draft_tokens
 
 
 def test_the_target_as_its_own_draft_has_every_sampled_draft_accepted(engine_llama_checkpoint, loaded):
@@ -317,7 +352,10 @@ def test_speculation_on_two_data_replicas(engine_llama_checkpoint, greedy_refere
     for speculative in ({**NGRAM, "adaptive": False}, _draft_model(engine_llama_checkpoint)):
         speculated, engine = _generate(replicated, speculative, num_prompts=6, mesh_shape="data=2,model=1")
         _assert_same_output(speculated, greedy_reference, num_prompts=6)
-        assert engine.pool.num_replicas == 2 and engine.metrics.num_accepted_draft_tokens > 0, speculative
+        metrics = engine.metrics
+        assert engine.pool.num_replicas == 2 and metrics.num_accepted_draft_tokens > 0, speculative
+        if speculative["method"] == "draft_model":  # the target drafting for itself, each replica caught up
+            assert metrics.num_accepted_draft_tokens == metrics.num_draft_tokens
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -333,15 +371,18 @@ def test_sampled_tokens_after_rejected_drafts_follow_the_models_distribution(tin
     draft = tiny_llama_checkpoint(seed=1, vocab_size=vocab, initializer_range=0.2)
     speculative = {**NGRAM, "adaptive": False} if method == "ngram" else _draft_model(draft)
     prefix = list(range(vocab)) * 2  # every token recurs, so prompt lookup always drafts the second token
+    # Room for the drafts beside 128 prompt tails; a draft model first catches each row up over its 33 tokens, all
+    # 128 rows in the step after their prompts (Drafter.choose keeps a step's catch-ups within the token budget).
+    budget = 1024 if method == "ngram" else 8192
     engine = Engine(
         loaded,
         EngineConfig(
             num_pages=512,  # two pages a request: its own prompt tail and its output
             page_size=8,
             max_num_seqs=128,
-            max_num_batched_tokens=1024,  # room for the drafts beside 128 prompt tails
-            min_padded_seqs=128,  # every step of 128 rows and 1024 tokens: 2 programs to compile, not 14
-            min_padded_tokens=1024,
+            max_num_batched_tokens=budget,
+            min_padded_seqs=128,  # every step of 128 rows and the whole budget: 2 programs to compile, not 14
+            min_padded_tokens=budget,
             speculative_config=speculative,
         ),
     )

@@ -145,7 +145,8 @@ class DraftModelProposer:
     The draft's KV follows the target's lazily: a step in which no row drafts runs no draft model at all (so
     adaptive speculation that drafts nothing costs nothing), and a row that drafts first catches the draft up over
     the tokens it skipped (Request.num_draft_computed; its whole prompt the first time), in the drafting program
-    itself, or in catch-up programs before it when the catch-up exceeds the token budget.
+    itself, or in catch-up programs before it when the catch-ups exceed the token budget (which Drafter.choose
+    lets only the first row catching up in a step do).
     """
 
     def __init__(
@@ -179,7 +180,7 @@ class DraftModelProposer:
         self.num_catch_up_programs = 0  # programs that only caught the draft up, before a drafting one
         self.num_catch_up_tokens = 0  # tokens the draft ran before a drafting row's last token (catching up)
         self.last_fill_compiled = False  # whether the last fill compiled a draft program
-        self.last_catch_up_tokens = 0  # the last fill's catch-up tokens
+        self.last_catch_up_tokens = 0  # the last fill's catch-up tokens (the most of any replica)
 
     def fill(
         self, batch: ScheduledBatch, kv_caches: list, seed_of: Callable[[str], int]
@@ -202,8 +203,9 @@ class DraftModelProposer:
             [(s, min(s.request.num_draft_computed, last_position(s)), last_position(s) + 1) for s in rows]
             for rows in drafting
         ]
-        self.last_catch_up_tokens = sum(stop - start - 1 for rows in spans for _, start, stop in rows)
-        self.num_catch_up_tokens += self.last_catch_up_tokens
+        catch_ups = [sum(stop - start - 1 for _, start, stop in rows) for rows in spans]
+        self.last_catch_up_tokens = max(catch_ups)  # per replica, as the step's tokens are counted
+        self.num_catch_up_tokens += sum(catch_ups)
         if max(sum(stop - start for _, start, stop in rows) for rows in spans) > self.max_num_batched_tokens:
             for chunk in _catch_up_chunks(spans, self.max_num_batched_tokens):
                 _, kv_caches = self._run(chunk, kv_caches, [[] for _ in chunk], seed_of)

@@ -161,10 +161,10 @@ class ModelRunner:
           seed_of: request id -> the seed of that sample.
         """
         self.move_pages(batch)
-        start = time.monotonic()
         if self.draft is not None:  # the draft model runs first: its drafts fill the scheduler's placeholders
             batch, draft_layers = self.draft.fill(batch, self.draft_layers, seed_of)
             self.pool.kv_caches = self.target_layers + draft_layers
+        start = time.monotonic()  # the target's step alone: the prefill rate the preemption policy plans by
         step_batch, with_logprobs = self.step_batch(batch, seed_of)
         greedy_only = step_batch.greedy_only()
         inputs = step_batch.inputs

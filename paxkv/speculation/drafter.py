@@ -98,6 +98,10 @@ class Drafter:
         """
         finish_together = nothing_waiting and self.budget.adaptive  # else every proposal is drafted
         rooms = [_room(sequence.request, max_model_len) for sequence in sequences]
+        # A draft model first catches up over the tokens a row skipped (DraftModelProposer): a step's catch-ups
+        # share one program's token budget, which only the first row catching up may exceed (in catch-up programs
+        # of its own), so that rows catch up in their running order and none waits forever.
+        catch_up_left, first_catch_up = num_tokens + token_budget, True
         longest = max(rooms, default=0) - self.config.num_speculative_tokens
         num_longest = sum(room >= longest for room in rooms)
         rows, proposals, kinds, remaining_tokens = [], [], [], 0
@@ -109,6 +113,11 @@ class Drafter:
             if finish_together and room < longest:
                 continue  # finishes before the longest row whatever it drafts
             drafts, kind = self.propose(request, room - 1)  # the step emits up to len(drafts) + 1 tokens
+            catch_up = request.num_computed_tokens - request.num_draft_computed
+            if drafts and self.config.method == "draft_model" and catch_up:
+                if catch_up > catch_up_left and not first_catch_up:
+                    continue  # catches up in a later step
+                catch_up_left, first_catch_up = catch_up_left - catch_up, False
             if drafts:
                 rows.append(index)
                 proposals.append(drafts)
