@@ -157,17 +157,21 @@ def test_the_target_as_its_own_draft_has_every_draft_accepted(engine_llama_check
     metrics = engine.metrics
     assert metrics.num_draft_tokens > 200 and metrics.num_accepted_draft_tokens == metrics.num_draft_tokens
     assert metrics.num_preemptions_recompute > 0
-    # Four prompts fit the same pool whole, and their full pages then serve the same prompts again; the draft catches
-    # up over them, as it may not have run over a cached page (the same pool shape: the programs above serve this
-    # run too).
+    # Four prompts fit the same pool whole, and their full pages then serve the same prompts again, the draft's KV
+    # in them too: the draft catches up over less than the prompts (the same pool shape: the programs above serve
+    # this run too).
     _, engine = _generate(loaded, _draft_model(engine_llama_checkpoint), num_prompts=4)
     assert engine.metrics.num_preemptions == 0
-    for index, prompt in enumerate(_prompts()[:4]):
+    caught_up = engine.runner.draft.num_catch_up_tokens
+    prompts = _prompts()[:4]
+    for index, prompt in enumerate(prompts):
         engine.add_request(f"again{index}", prompt, _greedy(index))
     again = {key: output.outputs[0].token_ids for key, output in drain(engine).items()}
     assert again == {f"again{i}": greedy_reference[str(i), 0][0] for i in range(4)}
     metrics = engine.metrics
     assert metrics.prefix_hit_tokens > 0 and metrics.num_accepted_draft_tokens == metrics.num_draft_tokens
+    caught_up = engine.runner.draft.num_catch_up_tokens - caught_up
+    assert caught_up <= sum(len(prompt) for prompt in prompts) - metrics.prefix_hit_tokens
 
 
 def _skipping_drafts(plain_steps: int, starts: list, skip_catch_up: bool = False):

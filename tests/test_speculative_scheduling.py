@@ -4,6 +4,7 @@ inside accepted drafts, and 10k random operations with every page accounted for.
 import numpy as np
 import pytest
 
+from paxkv.config import SpeculativeConfig
 from paxkv.execution.step_inputs import power_of_two_buckets
 from paxkv.scheduling import step_fitting
 from paxkv.scheduling.page_allocator import PageAllocator
@@ -15,6 +16,8 @@ from paxkv.scheduling.sampling_params import SamplingParams
 
 class FixedDrafter:
     """Proposes the same drafts for every decoding sequence, and records the verdicts (a stand-in for Drafter)."""
+
+    config = SpeculativeConfig(method="ngram")
 
     def __init__(self, drafts):
         self.drafts, self.verdicts = drafts, []
@@ -79,7 +82,10 @@ def test_a_stop_among_accepted_drafts_drops_the_tokens_after_it():
 
 class RandomDrafter:
     """Drafts up to k tokens for every decoding sequence, each the fake model's own next token with probability
-    `hit`, so acceptance is random; a stand-in for Drafter in the scheduler's state machine."""
+    `hit`, so acceptance is random; a stand-in for Drafter in the scheduler's state machine, as a draft model's (the
+    scheduler keeps how far the draft's KV reaches)."""
+
+    config = SpeculativeConfig(method="draft_model", model="draft")
 
     def __init__(self, rng, k: int, hit: float):
         self.rng, self.k, self.hit = rng, k, hit
@@ -113,12 +119,27 @@ class RandomDrafter:
         pass
 
 
-def _fake_speculative_step(batch, page_size: int, kv: dict) -> dict:
+def _fake_speculative_step(batch, page_size: int, kv: dict, draft_kv: dict | None = None) -> dict:
     """The fake model of test_replica_scheduler with drafts: the token at position p is fake_token(id, p); a draft
     stands while it equals that token. Checks every read through the block tables, drafts' slots included (a slot
-    holds (position, token): a prefix-cache page shared by two requests holds the same tokens for both)."""
+    holds (position, token): a prefix-cache page shared by two requests holds the same tokens for both). With
+    `draft_kv`, a draft model's KV too, as DraftModelProposer writes it: each drafting row reads what
+    Request.num_draft_computed says its pages hold, and writes the rest through its last token and its drafts."""
     from test_replica_scheduler import fake_token
 
+    def slot_of(sequence, position):
+        return sequence.block_table[position // page_size] * page_size + position % page_size
+
+    for sequence in batch.sequences if draft_kv is not None else ():
+        if sequence.num_draft_tokens:
+            request, last = sequence.request, sequence.positions[0]
+            known = request.all_token_ids
+            for position in range(request.num_draft_computed):
+                assert draft_kv[slot_of(sequence, position)] == (position, known[position]), request.request_id
+            for position in range(request.num_draft_computed, last + 1):
+                draft_kv[slot_of(sequence, position)] = (position, known[position])
+            for j, token_id in enumerate(sequence.draft_token_ids):
+                draft_kv[slot_of(sequence, last + 1 + j)] = (last + 1 + j, token_id)
     for sequence in batch.sequences:
         for slot, position, token_id in zip(sequence.slots, sequence.positions, sequence.token_ids, strict=True):
             kv[slot] = (position, token_id)
@@ -147,7 +168,8 @@ def _fake_speculative_step(batch, page_size: int, kv: dict) -> dict:
 def test_random_speculative_steps_keep_every_page_accounted_for_and_the_output_exact(fit_step_sizes, monkeypatch):
     """10k scheduler operations (arrivals, aborts, speculative steps with random acceptance) on a tight pool with
     prefix caching, with steps fitted to power-of-two sizes or not: after every step each page's ref count equals
-    its holders, and at the end no page leaks and every request's output is the one plain decoding gives."""
+    its holders, every read of the target's and the draft model's KV finds its tokens, and at the end no page leaks
+    and every request's output is the one plain decoding gives."""
     from test_replica_scheduler import EOS, check_state, fake_token
 
     monkeypatch.setattr(step_fitting, "MIN_FITTED_STEP_SIZE", 2)  # these steps are far below the shipped 64
@@ -166,7 +188,15 @@ def test_random_speculative_steps_keep_every_page_accounted_for_and_the_output_e
         drafter=RandomDrafter(rng, k=5, hit=0.6),
         step_sizes=power_of_two_buckets(24) if fit_step_sizes else (),
     )
-    requests, kv, operations = [], {}, 0
+    match, draft_reuse = scheduler.prefix_sharing.match, []
+
+    def noting_draft_reuse(request):  # how far a prefix hit's pages hold the draft's KV
+        num_tokens = match(request)
+        draft_reuse.append(request.num_draft_computed)
+        return num_tokens
+
+    scheduler.prefix_sharing.match = noting_draft_reuse
+    requests, kv, draft_kv, operations = [], {}, {}, 0
     while operations < 10_000:
         if rng.random() < 0.4:
             prompt = [2 + int(t) for t in rng.integers(0, 6, int(rng.integers(1, 20)))]  # shared prefixes are common
@@ -179,18 +209,19 @@ def test_random_speculative_steps_keep_every_page_accounted_for_and_the_output_e
             operations += 1
         if scheduler.has_unfinished_requests():
             batch = scheduler.schedule()
-            scheduler.update(batch, _fake_speculative_step(batch, page_size, kv))
+            scheduler.update(batch, _fake_speculative_step(batch, page_size, kv, draft_kv))
             check_state(scheduler)
             operations += 2
     while scheduler.has_unfinished_requests():
         batch = scheduler.schedule()
-        scheduler.update(batch, _fake_speculative_step(batch, page_size, kv))
+        scheduler.update(batch, _fake_speculative_step(batch, page_size, kv, draft_kv))
         check_state(scheduler)
     assert len(requests) > 1000 and scheduler.prefix_trie.num_cached_pages > 0
     scheduler.prefix_trie.evict(allocator.num_total_pages)
     assert allocator.num_free_pages == allocator.num_total_pages  # nothing leaked
     drafter = scheduler.drafter
     assert 0 < drafter.num_accepted < drafter.num_drafts
+    assert any(draft_reuse)  # some prefix hits reused the draft's KV in cached pages (checked at every read)
     for request in requests:
         if request.finish_reason == "abort":
             continue

@@ -27,6 +27,7 @@ class PageAllocator:
             )
         self._num_pages = num_pages
         self._ref_counts = [0] * num_pages
+        self._generations = [0] * num_pages  # [page]: times handed out (generation())
         # A stack: the next page handed out is the last one. Reversed so a fresh pool hands out 1, 2, 3, ...
         self._free_pages = list(range(num_pages - 1, NULL_PAGE, -1))
 
@@ -79,6 +80,7 @@ class PageAllocator:
         pages.reverse()
         for page in pages:
             self._ref_counts[page] = 1
+            self._generations[page] += 1
         return pages
 
     def incref(self, pages: Iterable[int]) -> None:
@@ -122,6 +124,16 @@ class PageAllocator:
         if not 0 <= page < self._num_pages:
             raise ValueError(f"page {page} is outside the pool 0..{self._num_pages - 1}")
         return self._ref_counts[page]
+
+    def generation(self, page: int) -> int:
+        """How many times a page has been handed out: what was written in it under an earlier generation is gone
+        (a record of a page's contents keeps the generation it was made under).
+
+        Args:
+          page: a page in 0..num_pages-1.
+        """
+        self.ref_count(page)  # checks the page
+        return self._generations[page]
 
     def check_invariants(self) -> None:
         """Raises AssertionError unless the free list and the ref counts agree; costs O(num_pages)."""

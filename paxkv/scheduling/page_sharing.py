@@ -22,6 +22,9 @@ class PrefixSharing:
         self.allocator = allocator
         self.prefix_trie = prefix_trie
         self.page_size = page_size
+        # page -> its allocation generation when a speculative draft model's KV filled it, so that a prefix hit
+        # on it reuses the draft's KV too (Request.num_draft_computed).
+        self._draft_filled: dict[int, int] = {}
 
     def match(self, request: Request) -> int:
         """Start a request with no pages on its longest cached prefix (shared by incref); return its tokens."""
@@ -32,7 +35,20 @@ class PrefixSharing:
         request.block_table = list(pages)
         request.num_cached_pages = len(pages)
         request.num_computed_tokens = len(pages) * self.page_size
+        num_draft_pages = 0
+        for page in pages:
+            if self._draft_filled.get(page) != self.allocator.generation(page):
+                break
+            num_draft_pages += 1
+        request.num_draft_computed = num_draft_pages * self.page_size
         return request.num_computed_tokens
+
+    def note_draft_kv(self, request: Request, previous: int) -> None:
+        """Record the pages that a draft model's KV of the request filled since it reached `previous` tokens."""
+        if self.prefix_trie is None:
+            return
+        for page in request.block_table[previous // self.page_size : request.num_draft_computed // self.page_size]:
+            self._draft_filled[page] = self.allocator.generation(page)
 
     def next_page_in_flight(self, request: Request, running: list[Request]) -> bool:
         """Whether a running request with the same salt will fill, but has not yet filled, the full page this

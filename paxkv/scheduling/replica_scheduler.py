@@ -241,10 +241,12 @@ class ReplicaScheduler:
             tokens = sequence.tokens_given(sampled_tokens)
             num_rejected = sequence.num_draft_tokens - (len(tokens) - 1 if tokens else 0)
             request.num_computed_tokens += sequence.num_new_tokens - num_rejected
+            if sequence.num_draft_tokens and self.drafter.config.method == "draft_model":
+                # The draft ran over every token of this request before its drafts (caught up), and its KV of the
+                # accepted drafts holds: it now covers what the target's does.
+                previous, request.num_draft_computed = request.num_draft_computed, request.num_computed_tokens
+                self.prefix_sharing.note_draft_kv(request, previous)
             if sequence.num_draft_tokens:
-                # A draft model ran over every token of this request before its drafts (caught up), and its KV of
-                # the accepted drafts holds: it now covers what the target's does.
-                request.num_draft_computed = request.num_computed_tokens
                 self.pages.roll_back(request)
                 self.drafter.observe_verified(request, sequence.num_draft_tokens, len(tokens) - 1)
             finish_reason = None

@@ -37,7 +37,8 @@ class Request:
     block_table: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     # A speculative draft model's KV lies in the same pages for all_token_ids[:num_draft_computed] only: the draft
-    # runs over a request's tokens lazily, catching up when the request next drafts (DraftModelProposer).
+    # runs over a request's tokens lazily, catching up when the request next drafts (DraftModelProposer); a prefix
+    # hit reaches as far as the matched pages that the draft's KV filled (PrefixSharing.note_draft_kv).
     num_draft_computed: int = 0
     # Set by Scheduler.add_request; the scheduler orders and preempts by it, never by arrival_time.
     arrival_index: int = -1
