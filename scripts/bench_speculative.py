@@ -61,6 +61,12 @@ flags.DEFINE_string(
     "Also measure a draft model (adaptive and always drafting): a checkpoint with the target's vocabulary, or "
     "'embedded' for the embedded SmolLM2 itself (the only model with its vocabulary this machine has).",
 )
+flags.DEFINE_bool(
+    "draft_always",
+    True,
+    "With --draft_model, measure it drafting every proposal as well as adaptively (--nodraft_always: adaptive "
+    "alone, for the cases where always drafting is known to lose and would take most of the run's time).",
+)
 
 SAMPLE_PASSAGES = [
     "The page pool holds fixed-size pages of keys and values. Each sequence owns a block table that maps its "
@@ -163,7 +169,8 @@ def main(argv):
 
         draft = embedded_model_path() if FLAGS.draft_model == "embedded" else FLAGS.draft_model
         configs["draft_adaptive"] = {"method": "draft_model", "model": draft, "adaptive": True}
-        configs["draft_always"] = {"method": "draft_model", "model": draft, "adaptive": False}
+        if FLAGS.draft_always:
+            configs["draft_always"] = {"method": "draft_model", "model": draft, "adaptive": False}
     engines = {}
     for name, speculative in configs.items():
         if speculative is not None:
