@@ -165,13 +165,14 @@ class Engine:
 
     def _observe_step_cost(self, batch: ScheduledBatch, seconds: float) -> None:
         """Give the draft budget the step's time: as a compile's where it compiled (what trying an unseen shape
-        costs), else as its T and R's (per replica). A draft model's catch-ups count in the step's cost: they are
-        what drafting costs for rows that were not drafting (left out, each step that started new rows drafting
-        looked free, and a target-sized draft at batch 32 drafted 2,901 tokens at 0.6x plain decoding's speed)."""
+        costs), else as its T and R's (per replica), unless a draft model first caught up over more tokens than
+        the step runs (once a request: its prompt, the first time it drafts), which is no cost of the shape."""
         if self.runner.last_step_compiled:
             self.drafter.budget.observe_compile(seconds)
             return
         num_tokens = max(replica.num_batched_tokens for replica in batch.replica_batches)
+        if self.runner.draft is not None and self.runner.draft.last_catch_up_tokens > num_tokens:
+            return
         num_drafts = max(num_draft_rows(replica) for replica in batch.replica_batches)
         self.drafter.budget.observe_step(num_tokens, seconds, num_drafts)
 

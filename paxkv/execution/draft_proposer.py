@@ -180,6 +180,7 @@ class DraftModelProposer:
         self.num_catch_up_programs = 0  # programs that only caught the draft up, before a drafting one
         self.num_catch_up_tokens = 0  # tokens the draft ran before a drafting row's last token (catching up)
         self.last_fill_compiled = False  # whether the last fill compiled a draft program
+        self.last_catch_up_tokens = 0  # the last fill's catch-up tokens (the most of any replica)
 
     def fill(
         self, batch: ScheduledBatch, kv_caches: list, seed_of: Callable[[str], int]
@@ -192,7 +193,7 @@ class DraftModelProposer:
           kv_caches: the draft's layers of the pool (donated).
           seed_of: request id -> the seed of its samples (the target's: drafts are drawn with the same keys).
         """
-        self.last_fill_compiled = False
+        self.last_fill_compiled, self.last_catch_up_tokens = False, 0
         drafting = [[s for s in replica.sequences if s.num_draft_tokens] for replica in batch.replica_batches]
         if not any(drafting):
             return batch, kv_caches
@@ -202,7 +203,9 @@ class DraftModelProposer:
             [(s, min(s.request.num_draft_computed, last_position(s)), last_position(s) + 1) for s in rows]
             for rows in drafting
         ]
-        self.num_catch_up_tokens += sum(stop - start - 1 for rows in spans for _, start, stop in rows)
+        catch_ups = [sum(stop - start - 1 for _, start, stop in rows) for rows in spans]
+        self.last_catch_up_tokens = max(catch_ups)  # per replica, as the step's tokens are counted
+        self.num_catch_up_tokens += sum(catch_ups)
         if max(sum(stop - start for _, start, stop in rows) for rows in spans) > self.max_num_batched_tokens:
             for chunk in _catch_up_chunks(spans, self.max_num_batched_tokens):
                 _, kv_caches = self._run(chunk, kv_caches, [[] for _ in chunk], seed_of)
