@@ -41,6 +41,16 @@ def test_the_budget_drafts_only_where_the_measured_step_costs_pay():
     assert with_rows.step_cost(24, num_drafts=16) == pytest.approx(0.030)
     unknown = DraftBudget()
     assert unknown.allot(2, 2, [[0.5, 0.25]] * 2, room=10) == [2, 2]  # nothing measured: try, and learn
+    # Drafting began at once: the plain step is measured before drafts are judged against it, never guessed from
+    # the drafting steps' cost (which made plain decoding look as dear as drafting).
+    unknown.observe_step(8, 1.0, num_drafts=6)  # 2 rows and 6 drafts: a dear step
+    assert unknown.allot(2, 2, [[1.0] * 3] * 2, room=10) == [0, 0]
+    unknown.observe_step(2, 0.1)
+    assert unknown.allot(2, 2, [[1.0] * 3] * 2, room=10) == [0, 0]  # 8 tokens a second against 20
+    cheap = DraftBudget()
+    cheap.observe_step(8, 0.2, num_drafts=6)
+    cheap.observe_step(2, 0.1)
+    assert cheap.allot(2, 2, [[1.0] * 3] * 2, room=10) == [3, 3]  # 40 tokens a second against 20
     assert DraftBudget(adaptive=False).allot(32, 32, [[0.0] * 3] * 2, room=4) == [3, 1]
     # Gains per place are measured: drafts that stand together make the fourth nearly as likely as the first.
     budget = DraftBudget()

@@ -198,7 +198,8 @@ class DraftBudget:
 
         Drafts are taken in order of their expected gain (draft_gains), and the count chosen maximizes (emitted
         tokens) / (step cost) over the token buckets it spans, among the counts whose step has a compiled program
-        or would repay compiling one (repays_compile).
+        or would repay compiling one (repays_compile). None until the step without drafts has been measured (once
+        anything has been).
 
         Args:
           num_tokens: tokens the step runs before any drafts.
@@ -217,6 +218,11 @@ class DraftBudget:
         gains = sorted(((gain, row) for row, row_gains in enumerate(candidates) for gain in row_gains), reverse=True)[
             :room
         ]
+        if self.step_seconds and _program(num_tokens, 0) not in self.program_seconds:
+            # Drafts are judged against this step without them, measured, not against a guess from other buckets
+            # (a guess from a bigger step's cost, once drafting began at the first decode step, made plain
+            # decoding look as dear as drafting: a target-sized draft model drafted at batch 32 at 0.6x).
+            return [0] * len(candidates)
         best_count, expected = 0, float(num_emitting)
         base_cost = self.step_cost(num_tokens)
         best_rate = expected / base_cost if base_cost else None
