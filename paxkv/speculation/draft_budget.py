@@ -215,14 +215,14 @@ class DraftBudget:
                 counts.append(min(len(row_gains), left))
                 left -= counts[-1]
             return counts
-        gains = sorted(((gain, row) for row, row_gains in enumerate(candidates) for gain in row_gains), reverse=True)[
-            :room
-        ]
         if self.step_seconds and _program(num_tokens, 0) not in self.program_seconds:
             # Drafts are judged against this step without them, measured, not against a guess from other buckets
             # (a guess from a bigger step's cost, once drafting began at the first decode step, made plain
             # decoding look as dear as drafting: a target-sized draft model drafted at batch 32 at 0.6x).
             return [0] * len(candidates)
+        gains = sorted(((gain, row) for row, row_gains in enumerate(candidates) for gain in row_gains), reverse=True)[
+            :room
+        ]
         best_count, expected = 0, float(num_emitting)
         base_cost = self.step_cost(num_tokens)
         best_rate = expected / base_cost if base_cost else None
