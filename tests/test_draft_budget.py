@@ -87,26 +87,37 @@ def test_acceptance_is_learned_per_kind_of_proposal_and_per_request():
     assert budget.draft_gains(DraftStats(), 1, kind=1)[0] < 0.5 < budget.draft_gains(trusted, 1, kind=1)[0] == 1.0
 
 
-def test_the_budget_compiles_a_step_shape_only_where_the_work_repays_the_compile():
+def test_the_budget_runs_only_compiled_steps_and_compiles_ahead_only_where_the_work_repays_it():
     likely = [0.9, 0.9, 0.9, 0.9]
     budget = DraftBudget()
     budget.observe_step(8, 0.010)
     budget.observe_step(16, 0.010)
     budget.observe_compile(2.0)  # a compile costs 200 plain steps here
+    ready, wanted = {8}, []  # only the program of 16 tokens with 8 drafts exists
 
-    def allot(remaining_tokens):  # only the program of 16 tokens with 8 drafts exists
-        return sum(budget.allot(8, 8, [likely] * 8, room=100, compiled=lambda count: count == 8,
-                                remaining_tokens=remaining_tokens))  # fmt: skip
+    def allot(remaining_tokens):
+        counts = budget.allot(8, 8, [likely] * 8, room=100, compiled=lambda count: count in ready,
+                              remaining_tokens=remaining_tokens, compile_ahead=wanted.append)  # fmt: skip
+        return sum(counts)
 
     # 8 drafts ride the compiled 16-token program; 24 (a 32-token step, not compiled, hoped to cost what 16 tokens
     # do) would emit ~1.9x as many tokens a step, too little over 100 tokens to repay a compile, enough over 10000.
-    assert allot(remaining_tokens=100) == 8
-    assert allot(remaining_tokens=10_000) == 24
+    # A step never waits for that compile: it runs the 8 drafts, and the 24's program is compiled for later steps.
+    assert allot(remaining_tokens=100) == 8 and wanted == []
+    assert allot(remaining_tokens=10_000) == 8 and wanted == [24]
     budget.observe_emitted(10_000)  # what the engine emitted so far counts as work to come
-    assert allot(remaining_tokens=100) == 24
+    assert allot(remaining_tokens=100) == 8 and wanted == [24, 24]
+    ready.add(24)  # compiled now: taken, and nothing more asked for
+    assert allot(remaining_tokens=100) == 24 and wanted == [24, 24]
+    # Without compiled programs of any drafts, a measured plain step: none drafted, the best one asked for.
+    ready.clear()
+    assert allot(remaining_tokens=100) == 0 and wanted[-1] == 24
     # Nothing compiled and nothing measured to compare against: no compile, no drafts.
     fresh = DraftBudget()
-    assert fresh.allot(2, 2, [[0.5, 0.25]] * 2, room=10, compiled=lambda c: False, remaining_tokens=10**6) == [0, 0]
+    asked = []
+    counts = fresh.allot(2, 2, [[0.5, 0.25]] * 2, room=10, compiled=lambda c: False, remaining_tokens=10**6,
+                         compile_ahead=asked.append)  # fmt: skip
+    assert counts == [0, 0] and asked == []
     # The mean time of the steps that compiled is what a compile is taken to cost.
     fresh.observe_compile(1.0)
     fresh.observe_compile(3.0)

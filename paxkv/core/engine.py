@@ -54,7 +54,13 @@ class Engine:
         )
         self.drafter = None
         if speculative is not None:
-            self.drafter = Drafter(speculative, jax.process_count(), has_compiled=self.runner.has_compiled)
+            runner = self.runner
+            self.drafter = Drafter(
+                speculative,
+                jax.process_count(),
+                has_compiled=runner.has_compiled,
+                compile_ahead=runner.compile_ahead,
+            )
         self.scheduler = Scheduler(
             num_replicas=pool.num_replicas,
             pages_per_replica=pool.pages_per_replica,
@@ -95,8 +101,9 @@ class Engine:
 
     @property
     def num_compilations(self) -> int:
-        """Distinct step programs (a draft model's included) compiled so far in this process."""
-        return num_step_compilations() + num_draft_compilations()
+        """Distinct step programs (a draft model's included) compiled so far: jitted ones in this process, and ones
+        this engine compiled ahead of use (execution.ahead_compiler)."""
+        return num_step_compilations() + num_draft_compilations() + self.runner.ahead.num_programs
 
     def add_request(
         self,
@@ -166,7 +173,10 @@ class Engine:
     def _observe_step_cost(self, batch: ScheduledBatch, seconds: float) -> None:
         """Give the draft budget the step's time: as a compile's where it compiled (what trying an unseen shape
         costs), else as its T and R's (per replica), unless a draft model first caught up over more tokens than
-        the step runs (once a request: its prompt, the first time it drafts), which is no cost of the shape."""
+        the step runs (once a request: its prompt, the first time it drafts), which is no cost of the shape. The
+        compiles finished in the background since the last step count as compiles too."""
+        for compile_seconds in self.runner.ahead.take_compile_seconds():
+            self.drafter.budget.observe_compile(compile_seconds)
         if self.runner.last_step_compiled:
             self.drafter.budget.observe_compile(seconds)
             return

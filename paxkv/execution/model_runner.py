@@ -12,6 +12,7 @@ import models
 from models.paged_forward import bucket
 from pallas_kernels import pages_for
 from paxkv.config import EngineConfig
+from paxkv.execution.ahead_compiler import AheadCompiler
 from paxkv.execution.aot import AbstractEngine, check_step_fits, compile_step, device_memory, step_buckets
 from paxkv.execution.draft_proposer import DraftModelProposer
 from paxkv.execution.kv_pool import KVPool
@@ -126,6 +127,8 @@ class ModelRunner:
                 mesh=mesh,
             )
         self._graph = static_graph(loaded.graphdef)
+        self.ahead = AheadCompiler(self._graph, mesh)  # speculating steps' programs, compiled before first use
+        self.num_ahead_steps = 0  # steps whose forward was compiled ahead
         # (T bucket, S bucket, penalties?, suppress?, logprobs?, all greedy?, R draft rows): each one a (forward,
         # sampling) pair, the forward's program keyed by (T, S, R) and the sampling's by the rest.
         self.step_shapes: set[tuple[int, int, bool, bool, bool, bool, int]] = set()
@@ -170,13 +173,25 @@ class ModelRunner:
         inputs = step_batch.inputs
         num_tokens, num_rows = inputs.tokens.shape[-1], inputs.logits_indices.shape[-1]
         num_draft_rows = 0 if step_batch.drafts is None else step_batch.drafts.tokens.shape[-1]
-        shape = (num_tokens, num_rows, step_batch.token_counts is not None, step_batch.suppress is not None)
-        shape = (*shape, with_logprobs, greedy_only, num_draft_rows)
-        self.last_step_compiled = self._record(shape) or (self.draft is not None and self.draft.last_fill_compiled)
+        vocab_arrays = step_batch.token_counts is not None, step_batch.suppress is not None
+        shape = (num_tokens, num_rows, *vocab_arrays, with_logprobs, greedy_only, num_draft_rows)
+        forward = self.ahead.forward((num_tokens, num_rows, num_draft_rows))
+        sampling_key = (num_rows, num_draft_rows, with_logprobs, greedy_only)
+        sampling = None if any(vocab_arrays) else self.ahead.sampling(sampling_key)  # no such variant ahead
+        new_programs = self._record(shape, forward is not None, sampling is not None)
+        self.num_ahead_steps += forward is not None
+        self.last_step_compiled = new_programs or (self.draft is not None and self.draft.last_fill_compiled)
         # Under the mesh, a Pallas kernel runs per model shard (models.sharding.attention_on_mesh).
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             sampled, target_layers = run_step(
-                self._graph, self.loaded.state, self.target_layers, step_batch, with_logprobs, greedy_only
+                self._graph,
+                self.loaded.state,
+                self.target_layers,
+                step_batch,
+                with_logprobs,
+                greedy_only,
+                forward=forward,
+                sampling=sampling,
             )
         self.pool.kv_caches = target_layers + self.draft_layers
         if batch.num_batched_tokens >= self.config.max_num_batched_tokens // 2:  # mostly prefill: a rate to plan by
@@ -226,26 +241,60 @@ class ModelRunner:
         """The draft model's layers of the pool (none without one)."""
         return self.pool.kv_caches[self.pool.num_target_layers :]
 
-    def has_compiled(self, num_tokens: int, num_seqs: int, prefills: bool, num_drafts: int) -> bool:
-        """Whether this runner has run the forward program a step of `num_tokens` tokens (`num_drafts` of them
-        drafts) in `num_seqs` rows pads to, so that such a step would not compile (padded_sizes).
+    def has_compiled(
+        self, num_tokens: int, num_seqs: int, prefills: bool, num_drafts: int, with_logprobs: bool, greedy_only: bool
+    ) -> bool:
+        """Whether a speculating step (no penalties or min_tokens) would run without compiling: this runner has run
+        or compiled ahead the forward program it pads to (padded_sizes) and its sampling variant.
 
         Args:
           num_tokens: the step's tokens, drafts included.
           num_seqs: its sequence rows.
           prefills: whether a row runs more than one token besides its drafts.
           num_drafts: its drafts.
+          with_logprobs: some row asks for logprobs.
+          greedy_only: every row is greedy.
         """
+        forward, sampling = self._program_keys(num_tokens, num_seqs, prefills, num_drafts, with_logprobs, greedy_only)
+        num_seqs, num_draft_rows, *variant = sampling
+        ran_sampling = (num_seqs, False, False, *variant, num_draft_rows) in self._sampling_shapes
+        has_forward = forward in self._forward_shapes or self.ahead.forward(forward) is not None
+        return has_forward and (ran_sampling or self.ahead.sampling(sampling) is not None)
+
+    def compile_ahead(
+        self, num_tokens: int, num_seqs: int, prefills: bool, num_drafts: int, with_logprobs: bool, greedy_only: bool
+    ) -> None:
+        """Have the programs of such a step (as has_compiled takes it) compiled on the AheadCompiler's worker, so
+        that a later step runs them without waiting for a compile."""
+        forward, sampling = self._program_keys(num_tokens, num_seqs, prefills, num_drafts, with_logprobs, greedy_only)
+        num_tokens, num_seqs, num_draft_rows = forward
+        example = empty_step_batch(
+            self.pool.num_replicas,
+            num_tokens,
+            num_seqs,
+            pages_per_seq=self.pages_per_seq,
+            vocab_size=self.loaded.config.vocab_size,
+            draft_row_bucket=num_draft_rows,
+        )
+        self.ahead.request(forward, sampling, self.loaded.state, self.target_layers, example)
+
+    def _program_keys(
+        self, num_tokens: int, num_seqs: int, prefills: bool, num_drafts: int, with_logprobs: bool, greedy_only: bool
+    ) -> tuple[tuple[int, int, int], tuple[int, int, bool, bool]]:
+        """The ahead compiler's keys of a step's programs: (T, S, R) and (S, R, logprobs?, all greedy?)."""
         budgets = self.config.max_num_batched_tokens, self.config.max_num_seqs
         num_tokens, num_seqs = padded_sizes(num_tokens, num_seqs, prefills, *budgets, self.padding)
         num_draft_rows = padded_draft_rows(num_drafts, budgets[0], self.padding)
-        return (num_tokens, num_seqs, num_draft_rows) in self._forward_shapes
+        return (num_tokens, num_seqs, num_draft_rows), (num_seqs, num_draft_rows, with_logprobs, greedy_only)
 
-    def _record(self, shape: tuple) -> bool:
-        """Note a step's shape; whether its forward (T, S, R) or its sampling (S, optional parts, R) was new."""
+    def _record(self, shape: tuple, forward_ready: bool = False, sampling_ready: bool = False) -> bool:
+        """Note a step's shape; whether its forward (T, S, R) or its sampling (S, optional parts, R) was new and not
+        compiled ahead (forward_ready, sampling_ready): whether the step compiled."""
         num_tokens, num_rows, *_, num_draft_rows = shape
         forward, sampling = (num_tokens, num_rows, num_draft_rows), shape[1:]
-        new = forward not in self._forward_shapes or sampling not in self._sampling_shapes
+        new = (forward not in self._forward_shapes and not forward_ready) or (
+            sampling not in self._sampling_shapes and not sampling_ready
+        )
         self.step_shapes.add(shape)
         self._forward_shapes.add(forward)
         self._sampling_shapes.add(sampling)

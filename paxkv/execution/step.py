@@ -86,9 +86,11 @@ def run_step(
     batch: StepBatch,
     with_logprobs: bool = False,
     greedy_only: bool = False,
+    forward: jax.stages.Compiled | None = None,
+    sampling: jax.stages.Compiled | None = None,
 ) -> tuple[SampledTokens, list]:  # every SampledTokens leaf [D, S + R, ...]
     """One engine step as two programs: forward_step writes K/V and computes the rows' logits, then sample_step
-    samples them.
+    samples them (either one compiled ahead of time, where given).
 
     The forward compiles once per (T, S, R) shape and the sampling once per (S + R, variant), so a new
     sampling option (logprobs, penalties, min_tokens) costs a small program, not a new forward, and the
@@ -100,10 +102,19 @@ def run_step(
       batch: the replicas' padded batches, sampling arrays and optional vocabulary arrays (None compiles them away).
       with_logprobs: also return log-probabilities, ranks and the MAX_LOGPROBS most likely tokens (static).
       greedy_only: every row is greedy (static; batch.greedy_only()): the sampling compiles only the argmax.
+      forward, sampling: the two programs of this shape and variant compiled ahead of time
+        (paxkv.execution.ahead_compiler), or None for the jitted ones.
     """
     draft_indices = None if batch.drafts is None else batch.drafts.logits_indices
-    logits, kv_caches = forward_step(graph, state, kv_caches, batch.inputs, draft_indices)
-    sampled = sample_step(logits, dataclasses.replace(batch, inputs=None), with_logprobs, greedy_only)
+    if forward is None:
+        logits, kv_caches = forward_step(graph, state, kv_caches, batch.inputs, draft_indices)
+    else:
+        logits, kv_caches = forward(state, kv_caches, batch.inputs, draft_indices)
+    sampling_batch = dataclasses.replace(batch, inputs=None)
+    if sampling is None:
+        sampled = sample_step(logits, sampling_batch, with_logprobs, greedy_only)
+    else:
+        sampled = sampling(logits, sampling_batch)
     return sampled, kv_caches
 
 

@@ -121,6 +121,7 @@ def empty_step_batch(
     pages_per_seq: int,
     vocab_size: int,
     vocab_arrays: bool = False,
+    draft_row_bucket: int = 0,
 ) -> StepBatch:
     """A step batch of the (T, S) bucket that holds no sequence (numpy, every leaf [D, ...]): every token and row is
     padding, which writes only the null page. What warm-up runs, and what ahead-of-time compiles take the shapes of.
@@ -131,6 +132,7 @@ def empty_step_batch(
       pages_per_seq: block-table width.
       vocab_size: the model's vocabulary size.
       vocab_arrays: include the per-row vocabulary arrays (penalties and min_tokens), the largest variant.
+      draft_row_bucket: R, the draft rows (all padding) of a speculating step's shape; 0 for none.
     """
     empty = ReplicaBatch(sequences=[], num_batched_tokens=0, preempted_request_ids=[])
     inputs = StepInputs.from_batch(
@@ -148,5 +150,6 @@ def empty_step_batch(
             np.zeros((num_seqs, vocab_size), bool),
             np.zeros((num_seqs, vocab_size), bool),
         ]
-    one = StepBatch(inputs, sampling, *vocab)
+    drafts = DraftRows.from_batch(empty, num_seqs, draft_row_bucket, lambda _: 0) if draft_row_bucket else None
+    one = StepBatch(inputs, sampling, *vocab, drafts=drafts)
     return jax.tree.map(lambda leaf: np.stack([leaf] * num_replicas), one)

@@ -13,12 +13,13 @@ different rates, and one engine serves both: with a single record, requests of o
 other's rate. A kind's record starts from the other kinds' (shrunk toward the prior), and each request's drafts
 are scaled by how its own accepted drafts compare with what the records expected of them.
 
-A step whose shape has no compiled program yet also costs its compile (seconds for a 30-layer model on CPU), which
-the step-cost curve does not show. Such a step is tried only when the drafts would repay that compile, at its
-estimated cost and against the best compiled choice, over the tokens the running rows still have to emit plus as
-many as the engine has emitted so far: the work to come is taken to be as large as the work done (a ski-rental
-rule: a long-lived engine learns every shape worth having, and one short call never pays a compile it cannot win
-back).
+A step shape with no compiled program yet also costs a compile (seconds for a 30-layer model on CPU), which the
+step-cost curve does not show. The budget never runs such a step: it has the shape compiled on a worker thread
+(paxkv.execution.ahead_compiler) and takes it once ready, and only where the drafts would repay that compile, at
+the shape's estimated cost and against the best compiled choice, over the tokens the running rows still have to
+emit plus as many as the engine has emitted so far: the work to come is taken to be as large as the work done (a
+ski-rental rule: a long-lived engine learns every shape worth having, and one short call never pays for a compile
+it cannot win back, which still takes CPU time from the steps while it runs).
 """
 
 import dataclasses
@@ -193,13 +194,15 @@ class DraftBudget:
         room: int,
         compiled: Callable[[int], bool] | None = None,
         remaining_tokens: int = 0,
+        compile_ahead: Callable[[int], None] | None = None,
     ) -> list[int]:
         """How many drafts each candidate verifies this step.
 
         Drafts are taken in order of their expected gain (draft_gains), and the count chosen maximizes (emitted
-        tokens) / (step cost) over the token buckets it spans, among the counts whose step has a compiled program
-        or would repay compiling one (repays_compile). None until the step without drafts has been measured (once
-        anything has been).
+        tokens) / (step cost) over the token buckets it spans, among the counts whose step has a compiled program:
+        a step never waits for a compile. The best count whose program is not compiled yet, if it would beat that
+        and repay its compile (repays_compile), is handed to `compile_ahead`, for later steps. None until the step
+        without drafts has been measured (once anything has been).
 
         Args:
           num_tokens: tokens the step runs before any drafts.
@@ -208,6 +211,7 @@ class DraftBudget:
           room: the most drafts the token budget allows.
           compiled: count of drafts -> whether the step with them has a compiled program; None: all have.
           remaining_tokens: tokens the decoding rows may still emit (what a compile is repaid over).
+          compile_ahead: count of drafts -> have the program of the step with them compiled in the background.
         """
         if not self.adaptive:
             counts, left = [], room
@@ -223,30 +227,35 @@ class DraftBudget:
         gains = sorted(((gain, row) for row, row_gains in enumerate(candidates) for gain in row_gains), reverse=True)[
             :room
         ]
-        best_count, expected = 0, float(num_emitting)
-        base_cost = self.step_cost(num_tokens)
-        best_rate = expected / base_cost if base_cost else None
-        compiled_rate = best_rate  # the best without compiling anything: what a compile must beat
+        # (count, expected tokens, step cost, compiled?) at the last count of each program's buckets (within them
+        # the cost is flat: only the last count can be the best), up to the first bucket beyond an unmeasured one.
+        options, expected = [], float(num_emitting)
         for count, (gain, _) in enumerate(gains, start=1):
             expected += gain
-            next_is_same_program = count < len(gains) and _program(num_tokens + count + 1, count + 1) == _program(
-                num_tokens + count, count
-            )
-            if next_is_same_program:
-                continue  # within a program's buckets the cost is flat: only its last count can be the best
+            program = _program(num_tokens + count, count)
+            if count < len(gains) and _program(num_tokens + count + 1, count + 1) == program:
+                continue
             cost = self.step_cost(num_tokens + count, count)
             if cost is None:
-                break  # a bucket beyond the next unmeasured one: not yet
-            ready = compiled is None or compiled(count)
-            if not ready and not self.repays_compile(expected, cost, compiled_rate, remaining_tokens):
-                continue  # a larger count may still run a compiled program (another draft-row bucket)
-            if ready and compiled_rate is not None and cost > 0:
-                compiled_rate = max(compiled_rate, expected / cost)
+                break
+            options.append((count, expected, cost, compiled is None or compiled(count)))
+        base_cost = self.step_cost(num_tokens)
+        best_count, best_rate = 0, num_emitting / base_cost if base_cost else None
+        for count, expected, cost, ready in options:
+            if not ready:
+                continue
             if best_rate is None or cost <= 0:  # nothing measured yet: try it, and learn
                 best_count, best_rate = count, None
-                continue
-            if expected / cost > best_rate:
+            elif expected / cost > best_rate:
                 best_count, best_rate = count, expected / cost
+        if compile_ahead is not None:
+            wanted = [
+                (expected / cost, count)
+                for count, expected, cost, ready in options
+                if not ready and self.repays_compile(expected, cost, best_rate, remaining_tokens)
+            ]
+            if wanted:
+                compile_ahead(max(wanted)[1])
         counts = [0] * len(candidates)
         for _, row in gains[:best_count]:
             counts[row] += 1

@@ -34,13 +34,17 @@ class Drafter:
         self,
         config: SpeculativeConfig,
         num_processes: int = 1,
-        has_compiled: Callable[[int, int, bool, int], bool] | None = None,
+        has_compiled: Callable[[int, int, bool, int, bool, bool], bool] | None = None,
+        compile_ahead: Callable[[int, int, bool, int, bool, bool], None] | None = None,
     ):
         """Args:
         config: the method, draft length and n-gram sizes.
         num_processes: the processes that plan the same batches (jax.process_count()).
-        has_compiled: (tokens, rows, prefills, drafts) -> whether such a step's program is compiled
-          (ModelRunner.has_compiled); None: take every step as compiled.
+        has_compiled: (tokens, rows, prefills, drafts, logprobs?, all greedy?) -> whether such a step's programs
+          are compiled (ModelRunner.has_compiled); None: take every step as compiled. A step the budget chooses is
+          one compiled: it never waits for a compile.
+        compile_ahead: the same -> have such a step's programs compiled in the background
+          (ModelRunner.compile_ahead), for the shapes the budget expects to repay it.
         """
         if config.adaptive and num_processes > 1:
             # Every process must plan the same batches, and step times differ between hosts: use none of them.
@@ -48,7 +52,7 @@ class Drafter:
                            "every proposal instead", num_processes)  # fmt: skip
             config = dataclasses.replace(config, adaptive=False)
         self.config = config
-        self.has_compiled = has_compiled
+        self.has_compiled, self.compile_ahead = has_compiled, compile_ahead
         self.budget = DraftBudget(adaptive=config.adaptive)
         self._indexes: dict[str, NgramIndex] = {}
         self._stats: dict[str, DraftStats] = {}
@@ -132,15 +136,24 @@ class Drafter:
         num_emitting = sum(sequence.completes_prompt for sequence in sequences)
         if finish_together:  # progress is the longest rows' mean, in the units of num_emitting tokens per row
             candidates = [[gain * num_emitting / num_longest for gain in gains] for gains in candidates]
-        compiled = None
+        compiled = compile_ahead = None
+        prefills = any(sequence.num_new_tokens > 1 for sequence in sequences)
+        params = [sequence.request.sampling_params for sequence in sequences]
+        variant = any(p.logprobs is not None for p in params), all(p.greedy for p in params)  # the sampling's
+        num_rows = len(sequences)
         if self.has_compiled is not None:
-            prefills = any(sequence.num_new_tokens > 1 for sequence in sequences)
-            num_rows = len(sequences)
 
             def compiled(count: int) -> bool:
-                return self.has_compiled(num_tokens + count, num_rows, prefills, count)
+                return self.has_compiled(num_tokens + count, num_rows, prefills, count, *variant)
 
-        counts = self.budget.allot(num_tokens, num_emitting, candidates, token_budget, compiled, remaining_tokens)
+        if self.compile_ahead is not None:
+
+            def compile_ahead(count: int) -> None:
+                self.compile_ahead(num_tokens + count, num_rows, prefills, count, *variant)
+
+        counts = self.budget.allot(
+            num_tokens, num_emitting, candidates, token_budget, compiled, remaining_tokens, compile_ahead
+        )
         return [(i, d[:c]) for i, d, c in zip(rows, proposals, counts, strict=True) if c]
 
     def observe_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
