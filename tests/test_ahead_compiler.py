@@ -87,7 +87,7 @@ def test_steps_compiled_ahead_compute_what_the_jitted_steps_compute(engine_llama
 
     def compile_every_shape(engine):
         for num_drafts in (16, 32, 64):
-            engine.runner.compile_ahead(16 + num_drafts, 16, False, num_drafts, True, True)  # logprobs, greedy
+            engine.runner.compile_ahead(16 + num_drafts, 16, False, num_drafts, True, True, [])  # logprobs, greedy
         assert engine.runner.ahead.wait(timeout=600)
 
     outputs, engine, steps = _run(loaded, {**NGRAM, "adaptive": False}, compile_every_shape, mesh_shape)
@@ -101,15 +101,15 @@ def test_steps_compiled_ahead_compute_what_the_jitted_steps_compute(engine_llama
     assert ahead._thread is None  # the worker ends once it has nothing to compile
 
 
-def test_adaptive_speculation_never_runs_a_step_it_would_compile(loaded, reference):
-    """A budget that finds drafts always worth it and compiles cheap (a flat step cost, a long-lived engine): the
-    shapes it wants are compiled ahead (here awaited, as if the compile were instant) and run from then on; no
-    speculating step compiles, and the output is plain decoding's."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_adaptive_speculation_never_runs_a_step_it_would_compile(loaded, reference, engine_llama_checkpoint, method):
+    """A budget that finds compiles cheap (a long-lived engine): the shapes it wants (a draft model's programs
+    too) are compiled ahead (here awaited, as if the compile were instant) and run from then on; no speculating
+    step compiles, and the output is plain decoding's."""
     asked = []
 
     def eager_budget(engine):
-        budget = engine.drafter.budget
-        budget.observe_emitted(10**7)  # the work to come repays any compile
+        engine.drafter.budget.observe_emitted(10**7)  # the work to come repays any compile
         compile_ahead = engine.drafter.compile_ahead
 
         def compile_now(*shape):
@@ -119,9 +119,55 @@ def test_adaptive_speculation_never_runs_a_step_it_would_compile(loaded, referen
 
         engine.drafter.compile_ahead = compile_now
 
-    outputs, engine, steps = _run(loaded, {**NGRAM, "adaptive": True}, eager_budget)
+    speculative = {**NGRAM, "adaptive": True}
+    if method == "draft_model":  # the target drafting for itself: every draft stands
+        speculative = {"method": "draft_model", "model": engine_llama_checkpoint, "num_speculative_tokens": 4}
+    outputs, engine, steps = _run(loaded, speculative, eager_budget)
     _assert_plain_output(outputs, reference)
     drafting = [compiled for num_drafts, compiled in steps if num_drafts]
-    assert asked and len(drafting) >= 5 and not any(drafting)
+    assert asked and drafting and not any(drafting)
     assert engine.runner.num_ahead_steps == len(drafting)
     assert engine.metrics.num_accepted_draft_tokens > 0
+    if method == "draft_model":
+        assert all(spans for *_, spans in asked)  # what the draft runs, asked about with the target's programs
+        assert engine.metrics.num_accepted_draft_tokens == engine.metrics.num_draft_tokens
+
+
+def test_a_draft_models_programs_are_known_before_it_runs(loaded, engine_llama_checkpoint):
+    """Before each fill, the draft programs it will run are predicted from the drafting rows' spans alone (catch-up
+    programs too, where the catch-ups exceed a 64-token budget), which is what the budget asks about before it
+    drafts; then, compiled ahead, those programs run without compiling."""
+    from paxkv.execution.draft_proposer import last_position
+
+    draft = {"method": "draft_model", "model": engine_llama_checkpoint, "num_speculative_tokens": 4, "adaptive": False}
+    engine = Engine(loaded, EngineConfig(**{**CONFIG, "max_num_batched_tokens": 64, "min_padded_tokens": 64},
+                                         speculative_config=draft))  # fmt: skip
+    proposer, predictions = engine.runner.draft, []
+    fill = proposer.fill
+
+    def fill_checking_sizes(batch, kv_caches, seed_of):
+        spans = [
+            last_position(s) + 1 - min(s.request.num_draft_computed, last_position(s))
+            for s in batch.sequences
+            if s.num_draft_tokens
+        ]
+        predicted = proposer.program_sizes([spans])
+        ahead = proposer.has_compiled([spans])
+        result = fill(batch, kv_caches, seed_of)
+        predictions.append((predicted, list(proposer.last_fill_sizes), ahead, proposer.last_fill_compiled))
+        if spans:
+            proposer.compile_ahead([spans], engine.runner.draft_layers)
+            assert engine.runner.ahead.wait(timeout=600)
+        return result
+
+    proposer.fill = fill_checking_sizes
+    for index, prompt in enumerate(_prompts()):
+        engine.add_request(str(index), prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    drain(engine)
+    assert all(predicted == ran for predicted, ran, _, _ in predictions)
+    assert any(len(ran) > 1 for _, ran, _, _ in predictions)  # catch-up programs before a drafting one
+    # A fill whose programs were known compiled (run before, or compiled ahead) compiled nothing, and every later
+    # shape that had been compiled ahead ran without compiling.
+    assert all(not compiled for _, _, known, compiled in predictions if known)
+    assert sum(known for _, _, known, _ in predictions) > len(predictions) / 2
+    assert engine.metrics.num_accepted_draft_tokens == engine.metrics.num_draft_tokens > 0

@@ -95,9 +95,10 @@ def test_the_budget_runs_only_compiled_steps_and_compiles_ahead_only_where_the_w
     budget.observe_compile(2.0)  # a compile costs 200 plain steps here
     ready, wanted = {8}, []  # only the program of 16 tokens with 8 drafts exists
 
-    def allot(remaining_tokens):
-        counts = budget.allot(8, 8, [likely] * 8, room=100, compiled=lambda count: count in ready,
-                              remaining_tokens=remaining_tokens, compile_ahead=wanted.append)  # fmt: skip
+    def allot(remaining_tokens):  # the callbacks take drafts per candidate
+        ask = lambda counts: wanted.append(sum(counts))  # noqa: E731
+        counts = budget.allot(8, 8, [likely] * 8, room=100, compiled=lambda counts: sum(counts) in ready,
+                              remaining_tokens=remaining_tokens, compile_ahead=ask)  # fmt: skip
         return sum(counts)
 
     # 8 drafts ride the compiled 16-token program; 24 (a 32-token step, not compiled, hoped to cost what 16 tokens

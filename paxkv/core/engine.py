@@ -140,7 +140,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return the requests that advanced or finished."""
-        start = time.monotonic()
+        start, quiet = time.monotonic(), self.runner.ahead.quiet_mark()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
@@ -157,7 +157,7 @@ class Engine:
         }
         new_tokens = {request_id: [int(sampled.tokens[c]) for c in rows] for request_id, rows in emitted.items()}
         if self.drafter is not None:
-            self._observe_step_cost(batch, time.monotonic() - start)
+            self._observe_step_cost(batch, time.monotonic() - start, self.runner.ahead.quiet_since(quiet))
         outcome = self.scheduler.update(batch, new_tokens)
         self.outputs.adopt(outcome.forked)
         taken = {request_id: emitted[request_id][:count] for request_id, count in outcome.num_taken.items()}
@@ -170,15 +170,19 @@ class Engine:
         self.metrics.num_compilations = self.num_compilations
         return outputs
 
-    def _observe_step_cost(self, batch: ScheduledBatch, seconds: float) -> None:
+    def _observe_step_cost(self, batch: ScheduledBatch, seconds: float, alone: bool) -> None:
         """Give the draft budget the step's time: as a compile's where it compiled (what trying an unseen shape
         costs), else as its T and R's (per replica), unless a draft model first caught up over more tokens than
-        the step runs (once a request: its prompt, the first time it drafts), which is no cost of the shape. The
-        compiles finished in the background since the last step count as compiles too."""
+        the step runs (once a request: its prompt, the first time it drafts), which is no cost of the shape, or
+        unless a compile ran in the background meanwhile (`alone` False: the step shared the CPU with it, and
+        such a sample once made plain steps look 10x dearer, so that a target-sized draft model drafted at 0.2x).
+        The compiles finished in the background since the last step count as compiles too."""
         for compile_seconds in self.runner.ahead.take_compile_seconds():
             self.drafter.budget.observe_compile(compile_seconds)
         if self.runner.last_step_compiled:
             self.drafter.budget.observe_compile(seconds)
+            return
+        if not alone:
             return
         num_tokens = max(replica.num_batched_tokens for replica in batch.replica_batches)
         if self.runner.draft is not None and self.runner.draft.last_catch_up_tokens > num_tokens:

@@ -1,38 +1,34 @@
-"""Step programs compiled on a worker thread before any step runs them, so that trying a new step shape never
-stalls the engine.
+"""Programs compiled on a worker thread before any step runs them, so that trying a new step shape never stalls the
+engine.
 
 Plain step programs are compiled at warm-up (ModelRunner.warm_up), but a speculating step's forward depends on its
-draft-row bucket R as well, and the adaptive draft budget (paxkv.speculation.draft_budget) only learns which R a
-workload wants as it runs. Compiling one inside a step costs seconds on CPU (dozens of steps), so the budget never
-runs an uncompiled shape: it asks for the one it expects to repay a compile, keeps drafting with the programs it
-has, and takes the new one once it is ready. The compile still takes CPU time from the steps while it runs, but no
-step waits for it.
+draft-row bucket R as well, a draft model's program on the tokens it catches up over, and the adaptive draft budget
+(paxkv.speculation.draft_budget) only learns which ones a workload wants as it runs. Compiling one inside a step
+costs seconds on CPU (dozens of steps), so the budget never runs a step whose programs are not compiled: it asks
+for the ones it expects to repay a compile, keeps drafting with what it has, and takes the new ones once ready.
+A compile still takes CPU time from the steps while it runs (the engine does not time steps then), but no step
+waits for one.
 
 The programs are JAX's ahead-of-time Compiled objects (jit(...).trace(...).lower().compile()), called directly: a
-jitted call after a background compile would trace and lower again before finding the executable.
+jitted call after a background compile would trace and lower again before finding the executable. Each request
+is a key and a function that compiles its program from abstract arguments (`abstract`, taken on the caller's
+thread); requests run in order, so a program may build on one requested before it (a sampling on its forward's
+output shapes).
 """
 
 import atexit
 import collections
 import contextlib
-import dataclasses
 import logging
 import queue
 import threading
 import time
 import weakref
+from collections.abc import Callable, Hashable
 
 import jax
 
-from paxkv.execution.step import StaticGraph, StepBatch, forward_step, sample_step
-
 logger = logging.getLogger(__name__)
-
-# (T bucket, S bucket, R draft-row bucket): a forward's program.
-ForwardKey = tuple[int, int, int]
-# (S bucket, R bucket, logprobs?, all greedy?): a sampling program without vocabulary arrays (penalties and
-# min_tokens, which rule drafting out: paxkv.speculation.drafter.can_speculate).
-SamplingKey = tuple[int, int, bool, bool]
 
 
 def abstract(tree):
@@ -46,72 +42,52 @@ def abstract(tree):
     return jax.tree.map(shape_of, tree)
 
 
-@dataclasses.dataclass
-class _Job:
-    """One requested forward and sampling (either may be compiled already), every argument abstract."""
-
-    forward_key: ForwardKey
-    sampling_key: SamplingKey
-    state: object
-    kv_caches: list
-    batch: StepBatch  # the step's batch as ShapeDtypeStructs (drafts included when R > 0)
-
-
 class AheadCompiler:
-    """A worker thread that compiles requested step programs (execution.step's forward_step and sample_step) and
-    hands them to the runner once they are ready."""
+    """A worker thread that compiles requested programs, one at a time in request order, and hands each over once
+    it is ready."""
 
-    def __init__(self, graph: StaticGraph, mesh):
+    def __init__(self, mesh):
         """Args:
-        graph: the model's graphdef, as the step's static argument.
-        mesh: the engine's mesh (the programs compile under it), or None for one device.
+        mesh: the engine's mesh (every program compiles under it), or None for one device.
         """
-        self._graph, self._mesh = graph, mesh
-        self._forwards: dict[ForwardKey, jax.stages.Compiled] = {}
-        self._samplings: dict[SamplingKey, jax.stages.Compiled] = {}
-        self._requested: set[ForwardKey | SamplingKey] = set()
+        self._mesh = mesh
+        self._programs: dict[Hashable, jax.stages.Compiled] = {}
+        self._requested: set[Hashable] = set()
         self._lock = threading.Lock()  # guards the jobs, the worker's start and end, and stopping
-        self._jobs: collections.deque[_Job] = collections.deque()
+        self._jobs: collections.deque[tuple[Hashable, Callable[[], jax.stages.Compiled]]] = collections.deque()
         self._idle = threading.Event()
         self._idle.set()
         self._thread: threading.Thread | None = None  # the worker, while it has jobs
         self._stopping = False
         self._finished_seconds: queue.SimpleQueue[float] = queue.SimpleQueue()  # not yet taken
-        self.num_programs = 0  # Compiled programs made, forwards and samplings
+        self.num_programs = 0  # programs compiled
         self.num_failed = 0  # requests whose compile raised (their steps compile in the jitted call instead)
+        self.num_jobs_started = 0  # jobs the worker has taken up
 
-    def request(self, forward_key: ForwardKey, sampling_key: SamplingKey, state, kv_caches: list, example) -> None:
-        """Compile, in the background, the forward of `forward_key` and the sampling of `sampling_key`, those of
-        them not compiled or asked for already.
+    def request(self, key: Hashable, compile_program: Callable[[], jax.stages.Compiled]) -> None:
+        """Have `compile_program()` run on the worker (under the mesh) and its program kept as `key`, unless that
+        key was asked for before.
 
         Args:
-          forward_key: (T, S, R), the padded shape of `example`.
-          sampling_key: (S, R, logprobs?, all greedy?), the step's sampling variant.
-          state: the model's state (only shapes and shardings are read, here, on the calling thread).
-          kv_caches: the pool's target layers (likewise).
-          example: a step batch of that shape (execution.step_arguments.empty_step_batch).
+          key: the program's name, as `program` takes it.
+          compile_program: compiles it from abstract arguments only (the pool's arrays are donated meanwhile).
         """
-        if forward_key in self._requested and sampling_key in self._requested:
+        if key in self._requested:
             return
-        self._requested.update((forward_key, sampling_key))
-        job = _Job(forward_key, sampling_key, abstract(state), abstract(kv_caches), abstract(example))
+        self._requested.add(key)
         with self._lock:
             if self._stopping:
                 return
-            self._jobs.append(job)
+            self._jobs.append((key, compile_program))
             self._idle.clear()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="paxkv-ahead-compiler", daemon=True)
                 self._thread.start()
                 _COMPILERS.add(self)
 
-    def forward(self, key: ForwardKey) -> jax.stages.Compiled | None:
-        """The forward program of `key`, once compiled."""
-        return self._forwards.get(key)
-
-    def sampling(self, key: SamplingKey) -> jax.stages.Compiled | None:
-        """The sampling program of `key`, once compiled."""
-        return self._samplings.get(key)
+    def program(self, key: Hashable) -> jax.stages.Compiled | None:
+        """The program of `key`, once compiled."""
+        return self._programs.get(key)
 
     def take_compile_seconds(self) -> list[float]:
         """The wall times of the compiles finished since the last call."""
@@ -119,6 +95,15 @@ class AheadCompiler:
         while not self._finished_seconds.empty():
             taken.append(self._finished_seconds.get())
         return taken
+
+    def quiet_mark(self) -> int | None:
+        """A mark for quiet_since: None while a compile is running or waiting (the steps share the CPU with it)."""
+        return self.num_jobs_started if self._idle.is_set() else None
+
+    def quiet_since(self, mark: int | None) -> bool:
+        """Whether no compile ran at any time since quiet_mark gave `mark`, so that a step timed over that span
+        measured the step alone."""
+        return mark is not None and self.quiet_mark() == mark
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every requested compile has finished; whether they had within `timeout` seconds."""
@@ -141,34 +126,17 @@ class AheadCompiler:
                     self._thread = None
                     self._idle.set()
                     return
-                job = self._jobs.popleft()
+                key, compile_program = self._jobs.popleft()
+                self.num_jobs_started += 1
             start = time.perf_counter()
             try:
-                self._compile(job)
+                with jax.set_mesh(self._mesh) if self._mesh is not None else contextlib.nullcontext():
+                    self._programs[key] = compile_program()
+                self.num_programs += 1
                 self._finished_seconds.put(time.perf_counter() - start)
             except Exception:  # the step compiles in its jitted call instead, as without this worker
                 self.num_failed += 1
-                logger.warning("compiling step shape %s ahead of use failed", job.forward_key, exc_info=True)
-
-    def _compile(self, job: _Job) -> None:
-        """Compile a job's forward unless it is compiled already, then its sampling (whose input is the forward's
-        logits, shaped and sharded as the forward gives them), and publish each."""
-        batch = job.batch
-        with jax.set_mesh(self._mesh) if self._mesh is not None else contextlib.nullcontext():
-            forward = self._forwards.get(job.forward_key)
-            if forward is None:
-                draft_indices = None if batch.drafts is None else batch.drafts.logits_indices
-                traced = forward_step.trace(self._graph, job.state, job.kv_caches, batch.inputs, draft_indices)
-                forward = self._forwards[job.forward_key] = traced.lower().compile()
-                self.num_programs += 1
-            if job.sampling_key not in self._samplings:
-                logits_info = jax.tree.leaves(forward.out_info)[0]
-                sharding = forward.output_shardings[0]
-                logits = jax.ShapeDtypeStruct(logits_info.shape, logits_info.dtype, sharding=sharding)
-                _, _, with_logprobs, greedy_only = job.sampling_key
-                traced = sample_step.trace(logits, dataclasses.replace(batch, inputs=None), with_logprobs, greedy_only)
-                self._samplings[job.sampling_key] = traced.lower().compile()
-                self.num_programs += 1
+                logger.warning("compiling %s ahead of use failed", key, exc_info=True)
 
 
 # Every compiler with a worker, stopped at interpreter exit.

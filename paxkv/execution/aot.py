@@ -22,7 +22,7 @@ from models.paged_forward import bucket
 from models.sharding import restore_target, state_shardings
 from pallas_kernels import pages_for
 from paxkv.execution.kv_pool import abstract_pool, kv_bytes_per_page, kv_storage_dtype
-from paxkv.execution.step import StepBatch, forward_step, sample_step, static_graph
+from paxkv.execution.step import StepBatch, compile_forward, compile_sampling, static_graph
 from paxkv.execution.step_arguments import empty_step_batch
 from paxkv.execution.step_inputs import (
     MIN_PREFILL_TOKENS,
@@ -223,12 +223,10 @@ def compile_step(
     batch = abstract_step_batch(engine, num_tokens, num_seqs, vocab_arrays=vocab_arrays)
     start = time.perf_counter()
     with jax.set_mesh(engine.mesh) if engine.mesh is not None else contextlib.nullcontext():
-        graph = static_graph(engine.graphdef)
-        forward = forward_step.trace(graph, engine.state, engine.kv_caches, batch.inputs, None).lower().compile()
-        logits_info = jax.tree.leaves(forward.out_info)[0]
-        logits = jax.ShapeDtypeStruct(logits_info.shape, logits_info.dtype, sharding=forward.output_shardings[0])
-        sampling_batch = dataclasses.replace(batch, inputs=None)
-        sampling = sample_step.trace(logits, sampling_batch, with_logprobs).lower().compile()
+        forward = compile_forward(static_graph(engine.graphdef), engine.state, engine.kv_caches, batch)
+        sampling = compile_sampling(forward, batch, with_logprobs, greedy_only=False)
+    info = jax.tree.leaves(forward.out_info)[0]
+    logits = jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=forward.output_shardings[0])
     seconds = time.perf_counter() - start
     logits_bytes = math.prod(logits.shape) * logits.dtype.itemsize // _num_shards(logits.sharding, logits.shape)
     costs = [_cost(program) for program in (forward, sampling)]

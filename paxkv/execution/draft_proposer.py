@@ -37,9 +37,10 @@ import models
 from models.paged_forward import logits_over_pages
 from pallas_kernels import AttentionMetadata
 from paxkv.config import SpeculativeConfig
+from paxkv.execution.ahead_compiler import AheadCompiler, abstract
 from paxkv.execution.sampler import SamplingArrays, sample
 from paxkv.execution.step import StaticGraph, per_replica, replicated, static_graph
-from paxkv.execution.step_inputs import NO_PADDING, StepInputs, StepPadding, shared_padded_sizes
+from paxkv.execution.step_inputs import NO_PADDING, StepInputs, StepPadding, padded_sizes, shared_padded_sizes
 from paxkv.parallel.distributed import host_value
 from paxkv.scheduling.scheduled_batch import ReplicaBatch, ScheduledBatch, ScheduledSequence
 
@@ -160,6 +161,7 @@ class DraftModelProposer:
         max_num_seqs: int,
         padding: StepPadding = NO_PADDING,
         mesh,
+        ahead: AheadCompiler | None = None,
     ):
         """Args:
         draft: the loaded draft model (load_draft_model).
@@ -168,14 +170,17 @@ class DraftModelProposer:
         max_num_batched_tokens, max_num_seqs: the step budgets (its largest buckets).
         padding: the smallest T and S buckets, as the target's step.
         mesh: the engine's mesh, or None for one device.
+        ahead: the worker that compiles draft programs ahead of use (has_compiled, compile_ahead), or None.
         """
         self.draft = draft
         self.num_drafts = num_speculative_tokens
         self.page_size, self.pages_per_seq = page_size, pages_per_seq
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.padding = padding
-        self.mesh = mesh
+        self.mesh, self.ahead = mesh, ahead
         self._graph = static_graph(draft.graphdef)
+        self._ran: set[tuple[int, int]] = set()  # (T, S) of the draft programs this proposer has run
+        self.last_fill_sizes: list[tuple[int, int]] = []  # (T, S) of the programs the last fill ran, in order
         self.num_drafting_programs = 0  # draft programs run that drafted (at most one a step)
         self.num_catch_up_programs = 0  # programs that only caught the draft up, before a drafting one
         self.num_catch_up_tokens = 0  # tokens the draft ran before a drafting row's last token (catching up)
@@ -193,7 +198,7 @@ class DraftModelProposer:
           kv_caches: the draft's layers of the pool (donated).
           seed_of: request id -> the seed of its samples (the target's: drafts are drawn with the same keys).
         """
-        self.last_fill_compiled, self.last_catch_up_tokens = False, 0
+        self.last_fill_compiled, self.last_catch_up_tokens, self.last_fill_sizes = False, 0, []
         drafting = [[s for s in replica.sequences if s.num_draft_tokens] for replica in batch.replica_batches]
         if not any(drafting):
             return batch, kv_caches
@@ -215,6 +220,71 @@ class DraftModelProposer:
         self.num_drafting_programs += 1
         self.last_fill_compiled = num_draft_compilations() > compiled_before
         return _with_drafts(batch, host_value(drafts)), kv_caches
+
+    def program_sizes(self, spans: list[list[int]]) -> list[tuple[int, int]]:
+        """The (T, S) of the programs fill runs for drafting rows whose draft spans (the tokens it runs for each: its
+        catch-up and its last token) are `spans` per replica: catch-up programs first where they exceed the token
+        budget, then the drafting one.
+
+        Args:
+          spans: per replica, per drafting row, its span's length (at least 1); no rows: no programs.
+        """
+        if not any(spans):
+            return []
+        budgets = self.max_num_batched_tokens, self.max_num_seqs, self.padding
+
+        def shared(replicas: list[list[int]]) -> tuple[int, int]:  # the (T, S) replicas of these spans share
+            sizes = [padded_sizes(sum(rows), len(rows), any(n > 1 for n in rows), *budgets) for rows in replicas]
+            return max(t for t, _ in sizes), max(s for _, s in sizes)
+
+        if max(sum(rows) for rows in spans) <= self.max_num_batched_tokens:
+            return [shared(spans)]
+        spans_as_tuples = [[(None, 0, length) for length in rows] for rows in spans]
+        chunks = _catch_up_chunks(spans_as_tuples, self.max_num_batched_tokens)
+        catch_ups = [shared([[stop - start for _, start, stop in rows] for rows in chunk]) for chunk in chunks]
+        return [*catch_ups, shared([[1] * len(rows) for rows in spans])]
+
+    def has_compiled(self, spans: list[list[int]]) -> bool:
+        """Whether fill would run drafting rows of these spans (program_sizes) without compiling."""
+        return all(size in self._ran or self._ahead_program(size) is not None for size in self.program_sizes(spans))
+
+    def compile_ahead(self, spans: list[list[int]], kv_caches: list) -> None:
+        """Have the programs fill would run for drafting rows of these spans compiled on the ahead compiler's
+        worker, those not compiled yet.
+
+        Args:
+          spans: as program_sizes takes them.
+          kv_caches: the draft's layers of the pool (only their shapes and shardings are read).
+        """
+        sizes = [size for size in self.program_sizes(spans) if size not in self._ran]
+        if self.ahead is None or not sizes:
+            return
+        state, kv_caches = abstract(self.draft.state), abstract(kv_caches)
+        for size in sizes:
+            self.ahead.request(("draft", *size), functools.partial(self._compile, size, state, kv_caches))
+
+    def _compile(self, size: tuple[int, int], state, kv_caches: list) -> jax.stages.Compiled:
+        """The draft program of a (T, S) size, compiled for every replica's padding rows."""
+        num_tokens, num_rows = size
+        num_replicas = 1 if self.mesh is None else self.mesh.shape["data"]
+        empty = ReplicaBatch(sequences=[], num_batched_tokens=0, preempted_request_ids=[])
+        inputs = StepInputs.from_batch(
+            empty,
+            max_num_batched_tokens=num_tokens,
+            max_num_seqs=num_rows,
+            pages_per_seq=self.pages_per_seq,
+            padded_sizes=size,
+        )
+        inputs = jax.tree.map(lambda leaf: np.stack([leaf] * num_replicas), inputs)
+        proposing = _proposing_rows([[] for _ in range(num_replicas)], num_rows, lambda _: 0)
+        traced = propose_drafts.trace(
+            self._graph, state, kv_caches, abstract(inputs), abstract(proposing), self.page_size, self.num_drafts
+        )
+        return traced.lower().compile()
+
+    def _ahead_program(self, size: tuple[int, int]) -> jax.stages.Compiled | None:
+        """The draft program of a (T, S) size compiled ahead, if it is."""
+        return None if self.ahead is None else self.ahead.program(("draft", *size))
 
     def _run(
         self,
@@ -246,7 +316,12 @@ class DraftModelProposer:
         ]
         proposing = _proposing_rows(drafting, padded_sizes[1], seed_of)
         stacked = jax.tree.map(lambda *leaves: np.stack(leaves), *inputs)
+        program = self._ahead_program(padded_sizes)
+        self._ran.add(padded_sizes)
+        self.last_fill_sizes.append(padded_sizes)
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            if program is not None:
+                return program(self.draft.state, kv_caches, stacked, proposing)
             return propose_drafts(
                 self._graph, self.draft.state, kv_caches, stacked, proposing, self.page_size, self.num_drafts
             )

@@ -12,11 +12,20 @@ import models
 from models.paged_forward import bucket
 from pallas_kernels import pages_for
 from paxkv.config import EngineConfig
-from paxkv.execution.ahead_compiler import AheadCompiler
+from paxkv.execution.ahead_compiler import AheadCompiler, abstract
 from paxkv.execution.aot import AbstractEngine, check_step_fits, compile_step, device_memory, step_buckets
 from paxkv.execution.draft_proposer import DraftModelProposer
 from paxkv.execution.kv_pool import KVPool
-from paxkv.execution.step import SampledTokens, StepBatch, copy_pages, page_copy_arrays, run_step, static_graph
+from paxkv.execution.step import (
+    SampledTokens,
+    StepBatch,
+    compile_forward,
+    compile_sampling,
+    copy_pages,
+    page_copy_arrays,
+    run_step,
+    static_graph,
+)
 from paxkv.execution.step_arguments import build_step_batch, empty_step_batch
 from paxkv.execution.step_inputs import StepPadding, padded_draft_rows, padded_sizes
 from paxkv.execution.verification import emitted_candidates
@@ -114,6 +123,7 @@ class ModelRunner:
         self.pages_per_seq = pages_for(max_model_len, config.page_size)
         platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
         self.padding = StepPadding.for_platform(platform, config.min_padded_seqs, config.min_padded_tokens)
+        self.ahead = AheadCompiler(mesh)  # speculating steps' programs (a draft model's too), compiled before use
         self.draft = None
         if draft is not None:
             self.draft = DraftModelProposer(
@@ -125,9 +135,9 @@ class ModelRunner:
                 max_num_seqs=config.max_num_seqs,
                 padding=self.padding,
                 mesh=mesh,
+                ahead=self.ahead,
             )
         self._graph = static_graph(loaded.graphdef)
-        self.ahead = AheadCompiler(self._graph, mesh)  # speculating steps' programs, compiled before first use
         self.num_ahead_steps = 0  # steps whose forward was compiled ahead
         # (T bucket, S bucket, penalties?, suppress?, logprobs?, all greedy?, R draft rows): each one a (forward,
         # sampling) pair, the forward's program keyed by (T, S, R) and the sampling's by the rest.
@@ -175,9 +185,9 @@ class ModelRunner:
         num_draft_rows = 0 if step_batch.drafts is None else step_batch.drafts.tokens.shape[-1]
         vocab_arrays = step_batch.token_counts is not None, step_batch.suppress is not None
         shape = (num_tokens, num_rows, *vocab_arrays, with_logprobs, greedy_only, num_draft_rows)
-        forward = self.ahead.forward((num_tokens, num_rows, num_draft_rows))
-        sampling_key = (num_rows, num_draft_rows, with_logprobs, greedy_only)
-        sampling = None if any(vocab_arrays) else self.ahead.sampling(sampling_key)  # no such variant ahead
+        forward = self.ahead.program(("forward", num_tokens, num_rows, num_draft_rows))
+        sampling_key = ("sampling", num_rows, num_draft_rows, with_logprobs, greedy_only)
+        sampling = None if any(vocab_arrays) else self.ahead.program(sampling_key)  # no such variant ahead
         new_programs = self._record(shape, forward is not None, sampling is not None)
         self.num_ahead_steps += forward is not None
         self.last_step_compiled = new_programs or (self.draft is not None and self.draft.last_fill_compiled)
@@ -242,10 +252,18 @@ class ModelRunner:
         return self.pool.kv_caches[self.pool.num_target_layers :]
 
     def has_compiled(
-        self, num_tokens: int, num_seqs: int, prefills: bool, num_drafts: int, with_logprobs: bool, greedy_only: bool
+        self,
+        num_tokens: int,
+        num_seqs: int,
+        prefills: bool,
+        num_drafts: int,
+        with_logprobs: bool,
+        greedy_only: bool,
+        draft_spans: list[int],
     ) -> bool:
         """Whether a speculating step (no penalties or min_tokens) would run without compiling: this runner has run
-        or compiled ahead the forward program it pads to (padded_sizes) and its sampling variant.
+        or compiled ahead the forward program it pads to (padded_sizes), its sampling variant, and a draft model's
+        programs for it.
 
         Args:
           num_tokens: the step's tokens, drafts included.
@@ -254,38 +272,63 @@ class ModelRunner:
           num_drafts: its drafts.
           with_logprobs: some row asks for logprobs.
           greedy_only: every row is greedy.
+          draft_spans: per drafting row, the tokens a draft model runs for it (DraftModelProposer.program_sizes).
         """
         forward, sampling = self._program_keys(num_tokens, num_seqs, prefills, num_drafts, with_logprobs, greedy_only)
-        num_seqs, num_draft_rows, *variant = sampling
+        _, num_seqs, num_draft_rows, *variant = sampling
+        ran_forward = forward[1:] in self._forward_shapes
         ran_sampling = (num_seqs, False, False, *variant, num_draft_rows) in self._sampling_shapes
-        has_forward = forward in self._forward_shapes or self.ahead.forward(forward) is not None
-        return has_forward and (ran_sampling or self.ahead.sampling(sampling) is not None)
+        return (
+            (ran_forward or self.ahead.program(forward) is not None)
+            and (ran_sampling or self.ahead.program(sampling) is not None)
+            and (self.draft is None or self.draft.has_compiled([draft_spans]))
+        )
 
     def compile_ahead(
-        self, num_tokens: int, num_seqs: int, prefills: bool, num_drafts: int, with_logprobs: bool, greedy_only: bool
+        self,
+        num_tokens: int,
+        num_seqs: int,
+        prefills: bool,
+        num_drafts: int,
+        with_logprobs: bool,
+        greedy_only: bool,
+        draft_spans: list[int],
     ) -> None:
-        """Have the programs of such a step (as has_compiled takes it) compiled on the AheadCompiler's worker, so
-        that a later step runs them without waiting for a compile."""
+        """Have the programs of such a step (as has_compiled takes it) that are not compiled yet compiled on the
+        AheadCompiler's worker, so that a later step runs them without waiting for a compile."""
+        if self.draft is not None:
+            self.draft.compile_ahead([draft_spans], self.draft_layers)
+        if self.has_compiled(num_tokens, num_seqs, prefills, num_drafts, with_logprobs, greedy_only, []):
+            return
         forward, sampling = self._program_keys(num_tokens, num_seqs, prefills, num_drafts, with_logprobs, greedy_only)
-        num_tokens, num_seqs, num_draft_rows = forward
-        example = empty_step_batch(
+        _, padded_tokens, padded_seqs, num_draft_rows = forward
+        batch = empty_step_batch(
             self.pool.num_replicas,
-            num_tokens,
-            num_seqs,
+            padded_tokens,
+            padded_seqs,
             pages_per_seq=self.pages_per_seq,
             vocab_size=self.loaded.config.vocab_size,
             draft_row_bucket=num_draft_rows,
         )
-        self.ahead.request(forward, sampling, self.loaded.state, self.target_layers, example)
+        graph, batch = self._graph, abstract(batch)
+        state, kv_caches = abstract(self.loaded.state), abstract(self.target_layers)
+        # The sampling's input is the forward's output, shaped and sharded as the compiled forward gives it: the
+        # forward is compiled ahead too (once) where only its jitted twin ran.
+        self.ahead.request(forward, lambda: compile_forward(graph, state, kv_caches, batch))
+        self.ahead.request(
+            sampling, lambda: compile_sampling(self.ahead.program(forward), batch, with_logprobs, greedy_only)
+        )
 
     def _program_keys(
         self, num_tokens: int, num_seqs: int, prefills: bool, num_drafts: int, with_logprobs: bool, greedy_only: bool
-    ) -> tuple[tuple[int, int, int], tuple[int, int, bool, bool]]:
-        """The ahead compiler's keys of a step's programs: (T, S, R) and (S, R, logprobs?, all greedy?)."""
+    ) -> tuple[tuple, tuple]:
+        """The ahead compiler's keys of a step's programs: ("forward", T, S, R), ("sampling", S, R, logprobs?, all
+        greedy?)."""
         budgets = self.config.max_num_batched_tokens, self.config.max_num_seqs
         num_tokens, num_seqs = padded_sizes(num_tokens, num_seqs, prefills, *budgets, self.padding)
         num_draft_rows = padded_draft_rows(num_drafts, budgets[0], self.padding)
-        return (num_tokens, num_seqs, num_draft_rows), (num_seqs, num_draft_rows, with_logprobs, greedy_only)
+        forward = ("forward", num_tokens, num_seqs, num_draft_rows)
+        return forward, ("sampling", num_seqs, num_draft_rows, with_logprobs, greedy_only)
 
     def _record(self, shape: tuple, forward_ready: bool = False, sampling_ready: bool = False) -> bool:
         """Note a step's shape; whether its forward (T, S, R) or its sampling (S, optional parts, R) was new and not

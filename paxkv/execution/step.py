@@ -193,6 +193,24 @@ def sample_step(
     return per_replica(replica_sample, batch.num_replicas, (), (logits, batch))
 
 
+def compile_forward(graph: StaticGraph, state, kv_caches: list, batch: StepBatch) -> jax.stages.Compiled:
+    """forward_step compiled ahead of time for a batch's shapes (every argument may be a ShapeDtypeStruct)."""
+    draft_indices = None if batch.drafts is None else batch.drafts.logits_indices
+    return forward_step.trace(graph, state, kv_caches, batch.inputs, draft_indices).lower().compile()
+
+
+def compile_sampling(
+    forward: jax.stages.Compiled, batch: StepBatch, with_logprobs: bool, greedy_only: bool
+) -> jax.stages.Compiled:
+    """sample_step compiled ahead of time for the logits `forward` returns, shaped and sharded as it returns them,
+    and a batch's shapes (its inputs unused)."""
+    info = jax.tree.leaves(forward.out_info)[0]
+    logits = jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=forward.output_shardings[0])
+    return (
+        sample_step.trace(logits, dataclasses.replace(batch, inputs=None), with_logprobs, greedy_only).lower().compile()
+    )
+
+
 def replicated(x: jax.Array) -> jax.Array:
     """`x` whole on every device of the context mesh's automatic axes; unchanged without a mesh."""
     if jax.sharding.get_abstract_mesh().empty:

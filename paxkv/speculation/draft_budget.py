@@ -192,15 +192,15 @@ class DraftBudget:
         num_emitting: int,
         candidates: list[list[float]],
         room: int,
-        compiled: Callable[[int], bool] | None = None,
+        compiled: Callable[[list[int]], bool] | None = None,
         remaining_tokens: int = 0,
-        compile_ahead: Callable[[int], None] | None = None,
+        compile_ahead: Callable[[list[int]], None] | None = None,
     ) -> list[int]:
         """How many drafts each candidate verifies this step.
 
         Drafts are taken in order of their expected gain (draft_gains), and the count chosen maximizes (emitted
         tokens) / (step cost) over the token buckets it spans, among the counts whose step has a compiled program:
-        a step never waits for a compile. The best count whose program is not compiled yet, if it would beat that
+        a step never waits for a compile. The best choice whose programs are not compiled yet, if it would beat that
         and repay its compile (repays_compile), is handed to `compile_ahead`, for later steps. None until the step
         without drafts has been measured (once anything has been).
 
@@ -209,9 +209,10 @@ class DraftBudget:
           num_emitting: rows that emit a token this step without drafts.
           candidates: per decoding row, the gain of each draft it proposes (non-increasing).
           room: the most drafts the token budget allows.
-          compiled: count of drafts -> whether the step with them has a compiled program; None: all have.
+          compiled: drafts per candidate -> whether the step with them has compiled programs; None: all have.
           remaining_tokens: tokens the decoding rows may still emit (what a compile is repaid over).
-          compile_ahead: count of drafts -> have the program of the step with them compiled in the background.
+          compile_ahead: drafts per candidate -> have the programs of the step with them compiled in the
+            background.
         """
         if not self.adaptive:
             counts, left = [], room
@@ -227,39 +228,38 @@ class DraftBudget:
         gains = sorted(((gain, row) for row, row_gains in enumerate(candidates) for gain in row_gains), reverse=True)[
             :room
         ]
-        # (count, expected tokens, step cost, compiled?) at the last count of each program's buckets (within them
-        # the cost is flat: only the last count can be the best), up to the first bucket beyond an unmeasured one.
-        options, expected = [], float(num_emitting)
-        for count, (gain, _) in enumerate(gains, start=1):
+        # (drafts per candidate, expected tokens, step cost, compiled?) at the last count of each program's buckets
+        # (within them the cost is flat: only the last count can be the best), up to the first bucket beyond an
+        # unmeasured one.
+        options, expected, counts = [], float(num_emitting), [0] * len(candidates)
+        for count, (gain, row) in enumerate(gains, start=1):
             expected += gain
+            counts[row] += 1
             program = _program(num_tokens + count, count)
             if count < len(gains) and _program(num_tokens + count + 1, count + 1) == program:
                 continue
             cost = self.step_cost(num_tokens + count, count)
             if cost is None:
                 break
-            options.append((count, expected, cost, compiled is None or compiled(count)))
+            options.append((list(counts), expected, cost, compiled is None or compiled(list(counts))))
         base_cost = self.step_cost(num_tokens)
-        best_count, best_rate = 0, num_emitting / base_cost if base_cost else None
-        for count, expected, cost, ready in options:
+        best, best_rate = [0] * len(candidates), num_emitting / base_cost if base_cost else None
+        for counts, expected, cost, ready in options:
             if not ready:
                 continue
             if best_rate is None or cost <= 0:  # nothing measured yet: try it, and learn
-                best_count, best_rate = count, None
+                best, best_rate = counts, None
             elif expected / cost > best_rate:
-                best_count, best_rate = count, expected / cost
+                best, best_rate = counts, expected / cost
         if compile_ahead is not None:
             wanted = [
-                (expected / cost, count)
-                for count, expected, cost, ready in options
+                (expected / cost, counts)
+                for counts, expected, cost, ready in options
                 if not ready and self.repays_compile(expected, cost, best_rate, remaining_tokens)
             ]
             if wanted:
                 compile_ahead(max(wanted)[1])
-        counts = [0] * len(candidates)
-        for _, row in gains[:best_count]:
-            counts[row] += 1
-        return counts
+        return best
 
 
 def _at(counts: list[int], j: int) -> int:

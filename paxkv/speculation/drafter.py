@@ -34,15 +34,15 @@ class Drafter:
         self,
         config: SpeculativeConfig,
         num_processes: int = 1,
-        has_compiled: Callable[[int, int, bool, int, bool, bool], bool] | None = None,
-        compile_ahead: Callable[[int, int, bool, int, bool, bool], None] | None = None,
+        has_compiled: Callable[[int, int, bool, int, bool, bool, list[int]], bool] | None = None,
+        compile_ahead: Callable[[int, int, bool, int, bool, bool, list[int]], None] | None = None,
     ):
         """Args:
         config: the method, draft length and n-gram sizes.
         num_processes: the processes that plan the same batches (jax.process_count()).
-        has_compiled: (tokens, rows, prefills, drafts, logprobs?, all greedy?) -> whether such a step's programs
-          are compiled (ModelRunner.has_compiled); None: take every step as compiled. A step the budget chooses is
-          one compiled: it never waits for a compile.
+        has_compiled: (tokens, rows, prefills, drafts, logprobs?, all greedy?, a draft model's spans) -> whether
+          such a step's programs are compiled (ModelRunner.has_compiled); None: take every step as compiled. A step
+          the budget chooses is one compiled: it never waits for a compile.
         compile_ahead: the same -> have such a step's programs compiled in the background
           (ModelRunner.compile_ahead), for the shapes the budget expects to repay it.
         """
@@ -140,16 +140,25 @@ class Drafter:
         prefills = any(sequence.num_new_tokens > 1 for sequence in sequences)
         params = [sequence.request.sampling_params for sequence in sequences]
         variant = any(p.logprobs is not None for p in params), all(p.greedy for p in params)  # the sampling's
-        num_rows = len(sequences)
+        # What a draft model runs for each candidate row that drafts: its catch-up and its last token.
+        spans = [sequences[i].request.num_computed_tokens - sequences[i].request.num_draft_computed + 1 for i in rows]
+        if self.config.method != "draft_model":
+            spans = [0] * len(rows)
+
+        def step(counts: list[int]) -> tuple:  # the step with these drafts, as the runner's callbacks take it
+            num_drafts = sum(counts)
+            draft_spans = [span for span, count in zip(spans, counts, strict=True) if count and span]
+            return num_tokens + num_drafts, len(sequences), prefills, num_drafts, *variant, draft_spans
+
         if self.has_compiled is not None:
 
-            def compiled(count: int) -> bool:
-                return self.has_compiled(num_tokens + count, num_rows, prefills, count, *variant)
+            def compiled(counts: list[int]) -> bool:
+                return self.has_compiled(*step(counts))
 
         if self.compile_ahead is not None:
 
-            def compile_ahead(count: int) -> None:
-                self.compile_ahead(num_tokens + count, num_rows, prefills, count, *variant)
+            def compile_ahead(counts: list[int]) -> None:
+                self.compile_ahead(*step(counts))
 
         counts = self.budget.allot(
             num_tokens, num_emitting, candidates, token_budget, compiled, remaining_tokens, compile_ahead
