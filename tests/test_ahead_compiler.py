@@ -27,9 +27,10 @@ def _prompts() -> list[list[int]]:
     return [[3 + (7 * i + j) % 250 for j in range(2 + i % 5)] * 8 for i in range(16)]
 
 
-def _run(loaded, speculative, prepare=None, mesh_shape=None) -> tuple[dict, Engine, list]:
+def _run(loaded, speculative, prepare=None, mesh_shape=None, **config) -> tuple[dict, Engine, list]:
     """Greedy outputs (tokens, logprobs) of the 16 prompts, the engine, and per step (draft rows, compiled?)."""
-    engine = Engine(loaded, EngineConfig(**CONFIG, speculative_config=speculative, mesh_shape=mesh_shape))
+    config = {**CONFIG, **config}
+    engine = Engine(loaded, EngineConfig(**config, speculative_config=speculative, mesh_shape=mesh_shape))
     engine.warm_up()  # every plain (T, S) program: only speculating shapes are left to compile
     steps, run = [], engine.runner.run
 
@@ -122,7 +123,8 @@ def test_adaptive_speculation_never_runs_a_step_it_would_compile(loaded, referen
     speculative = {**NGRAM, "adaptive": True}
     if method == "draft_model":  # the target drafting for itself: every draft stands
         speculative = {"method": "draft_model", "model": engine_llama_checkpoint, "num_speculative_tokens": 4}
-    outputs, engine, steps = _run(loaded, speculative, eager_budget)
+    # 8 rows at a time: requests wait, so every row's drafts count (test_draft_budget: rows that finish together).
+    outputs, engine, steps = _run(loaded, speculative, eager_budget, max_num_seqs=8, min_padded_seqs=8)
     _assert_plain_output(outputs, reference)
     drafting = [compiled for num_drafts, compiled in steps if num_drafts]
     assert asked and drafting and not any(drafting)

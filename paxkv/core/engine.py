@@ -173,22 +173,21 @@ class Engine:
     def _observe_step_cost(self, batch: ScheduledBatch, seconds: float, alone: bool) -> None:
         """Give the draft budget the step's time: as a compile's where it compiled (what trying an unseen shape
         costs), else as its T and R's (per replica), unless a draft model first caught up over more tokens than
-        the step runs (once a request: its prompt, the first time it drafts), which is no cost of the shape, or
-        unless a compile ran in the background meanwhile (`alone` False: the step shared the CPU with it, and
-        such a sample once made plain steps look 10x dearer, so that a target-sized draft model drafted at 0.2x).
-        The compiles finished in the background since the last step count as compiles too."""
+        the step runs (once a request: its prompt, the first time it drafts), which is no cost of the shape. Where a
+        compile ran in the background meanwhile (`alone` False), the step shared the CPU with it: its time counts
+        only for a shape not measured otherwise (DraftBudget.observe_step; as a plain sample, one such time once
+        made plain steps look 10x dearer, so that a target-sized draft model drafted at 0.2x). The compiles
+        finished in the background since the last step count as compiles too."""
         for compile_seconds in self.runner.ahead.take_compile_seconds():
             self.drafter.budget.observe_compile(compile_seconds)
         if self.runner.last_step_compiled:
             self.drafter.budget.observe_compile(seconds)
             return
-        if not alone:
-            return
         num_tokens = max(replica.num_batched_tokens for replica in batch.replica_batches)
         if self.runner.draft is not None and self.runner.draft.last_catch_up_tokens > num_tokens:
             return
         num_drafts = max(num_draft_rows(replica) for replica in batch.replica_batches)
-        self.drafter.budget.observe_step(num_tokens, seconds, num_drafts)
+        self.drafter.budget.observe_step(num_tokens, seconds, num_drafts, contended=not alone)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its output so far comes back with finish_reason "abort".

@@ -22,6 +22,7 @@ ski-rental rule: a long-lived engine learns every shape worth having, and one sh
 it cannot win back, which still takes CPU time from the steps while it runs).
 """
 
+import collections
 import dataclasses
 from collections.abc import Callable
 
@@ -30,8 +31,10 @@ from models.paged_forward import bucket
 # Records start at the prior, weighted as this many drafts (a request's scale: as this many expected acceptances).
 PRIOR_WEIGHT = 2.0
 PRIOR_ACCEPTANCE = 0.5
-# Exponential moving average weight of a new step-time sample per token bucket.
-COST_SMOOTHING = 0.3
+# A cost is the least of this many latest step times of its key: what slows a step besides its own work (a
+# page-copy program compiling, a collection, another process) only ever adds time, and one such step among few
+# samples would move a mean or a median (a plain step once measured 15x its cost that way).
+COST_WINDOW = 8
 # What a compile is taken to cost before one is measured.
 DEFAULT_COMPILE_SECONDS = 1.0
 
@@ -53,8 +56,10 @@ class DraftBudget:
         adaptive: decide from the measurements; False drafts every proposed token.
         """
         self.adaptive = adaptive
-        self.step_seconds: dict[int, float] = {}  # padded token bucket -> smoothed step time, any drafts
-        self.program_seconds: dict[tuple[int, int], float] = {}  # (token bucket, draft bucket) -> smoothed step time
+        self.step_seconds: dict[int, float] = {}  # padded token bucket -> step time (COST_WINDOW), any drafts
+        self.program_seconds: dict[tuple[int, int], float] = {}  # (token bucket, draft bucket) -> step time
+        self._samples: dict[tuple, collections.deque[float]] = {}  # (table, key) -> its latest step times
+        self._contended: set[tuple] = set()  # (table, key) measured only while a compile shared the CPU
         self.compile_seconds = DEFAULT_COMPILE_SECONDS  # mean time of the steps that compiled
         self.num_compiled_steps = 0
         self.num_emitted = 0  # tokens the engine has emitted so far
@@ -118,16 +123,32 @@ class DraftBudget:
             for j in range(upto):
                 counts[j] += 1
 
-    def observe_step(self, num_tokens: int, seconds: float, num_drafts: int = 0) -> None:
+    def observe_step(self, num_tokens: int, seconds: float, num_drafts: int = 0, contended: bool = False) -> None:
         """Record a step's wall time (steps that compiled should not be given), keyed by its token count's bucket, and
         by that and its draft count's bucket: drafts add rows of logits and sampling that a step of as many tokens
-        without them does not pay."""
-        for table, key in (
-            (self.step_seconds, bucket(num_tokens)),
-            (self.program_seconds, _program(num_tokens, num_drafts)),
+        without them does not pay.
+
+        Args:
+          num_tokens, num_drafts: the step's tokens (drafts included) and drafts.
+          seconds: its wall time.
+          contended: a compile ran in the background meanwhile, so the time overstates the step's: it counts only
+            for a key with no other measurement yet (a pessimistic cost beats an optimistic guess), until the
+            first uncontended one replaces it.
+        """
+        for name, table, key in (
+            ("tokens", self.step_seconds, bucket(num_tokens)),
+            ("program", self.program_seconds, _program(num_tokens, num_drafts)),
         ):
-            known = table.get(key)
-            table[key] = seconds if known is None else known + COST_SMOOTHING * (seconds - known)
+            samples = self._samples.setdefault((name, key), collections.deque(maxlen=COST_WINDOW))
+            if contended:
+                if samples and (name, key) not in self._contended:
+                    continue
+                self._contended.add((name, key))
+            elif (name, key) in self._contended:
+                self._contended.discard((name, key))
+                samples.clear()
+            samples.append(seconds)
+            table[key] = min(samples)
 
     def observe_compile(self, seconds: float) -> None:
         """Record the wall time of a step that compiled its program (what trying an unseen shape costs)."""
@@ -153,8 +174,8 @@ class DraftBudget:
         and draft buckets where it was. Else from the token buckets: its own; else on the line between the measured
         buckets around it; the bucket just above the largest measured one costs the same as that one (optimistic:
         it is tried once, and then known), and any bucket beyond is None (not tried before the one below it is
-        known); and never less than a measured step of no more tokens and no more drafts costs. 0 where nothing is
-        measured yet.
+        known); and never less than a measured step of no more tokens and no more drafts costs, nor than the line
+        from the plain step of its T bucket to a measured one with more drafts. 0 where nothing is measured yet.
 
         Step costs are not linear in the tokens (on CPU a one-row matmul is a matrix-vector product and two rows
         are not), so the curve is measured rather than extrapolated, one bucket at a time: learning costs one
@@ -167,7 +188,14 @@ class DraftBudget:
         estimate = self._token_curve(bucket(num_tokens))
         if estimate is None:
             return None
-        smaller = [seconds for (t, r), seconds in self.program_seconds.items() if t <= program[0] and r <= program[1]]
+        known = self.program_seconds.items()
+        smaller = [seconds for (t, r), seconds in known if t <= program[0] and r <= program[1]]
+        # Draft rows cost about in proportion to their number: a measured step of the same T and more of them, and
+        # the plain one, bound this one from below (a plain step's cost alone would take them to be free).
+        plain = self.program_seconds.get((program[0], 0))
+        if plain is not None:
+            tokens, drafts = program
+            smaller += [plain + (s - plain) * drafts / r for (t, r), s in known if t == tokens and r > drafts]
         return max([estimate, *smaller])
 
     def _token_curve(self, key: int) -> float | None:
@@ -195,6 +223,7 @@ class DraftBudget:
         compiled: Callable[[list[int]], bool] | None = None,
         remaining_tokens: int = 0,
         compile_ahead: Callable[[list[int]], None] | None = None,
+        level_size: int = 1,
     ) -> list[int]:
         """How many drafts each candidate verifies this step.
 
@@ -213,6 +242,8 @@ class DraftBudget:
           remaining_tokens: tokens the decoding rows may still emit (what a compile is repaid over).
           compile_ahead: drafts per candidate -> have the programs of the step with them compiled in the
             background.
+          level_size: drafts count only in whole levels of this many (the j-th draft of every candidate): a count
+            of drafts is a choice only where it completes one (Drafter.choose, for rows that finish together).
         """
         if not self.adaptive:
             counts, left = [], room
@@ -225,18 +256,20 @@ class DraftBudget:
             # (a guess from a bigger step's cost, once drafting began at the first decode step, made plain
             # decoding look as dear as drafting: a target-sized draft model drafted at batch 32 at 0.6x).
             return [0] * len(candidates)
-        gains = sorted(((gain, row) for row, row_gains in enumerate(candidates) for gain in row_gains), reverse=True)[
-            :room
-        ]
+        # Most likely first; among equal gains, a candidate's earlier drafts first (whole levels).
+        ranked = ((gain, -j, row) for row, row_gains in enumerate(candidates) for j, gain in enumerate(row_gains))
+        gains = [(gain, row) for gain, _, row in sorted(ranked, reverse=True)][:room]
         # (drafts per candidate, expected tokens, step cost, compiled?) at the last count of each program's buckets
-        # (within them the cost is flat: only the last count can be the best), up to the first bucket beyond an
-        # unmeasured one.
+        # (within them the cost is flat: only the last count can be the best) or at each whole level, up to the
+        # first bucket beyond an unmeasured one.
         options, expected, counts = [], float(num_emitting), [0] * len(candidates)
         for count, (gain, row) in enumerate(gains, start=1):
             expected += gain
             counts[row] += 1
             program = _program(num_tokens + count, count)
-            if count < len(gains) and _program(num_tokens + count + 1, count + 1) == program:
+            if count % level_size or (
+                level_size == 1 and count < len(gains) and _program(num_tokens + count + 1, count + 1) == program
+            ):
                 continue
             cost = self.step_cost(num_tokens + count, count)
             if cost is None:
