@@ -207,3 +207,25 @@ def test_a_draft_models_catch_ups_share_the_token_budget_in_running_order():
     sequences[1].request.num_draft_computed = sequences[1].request.num_computed_tokens - 90
     adaptive = Drafter(dataclasses.replace(config, adaptive=True))  # nothing measured yet: it tries
     assert [index for index, _ in adaptive.choose(sequences, 4, 60, 1000, nothing_waiting=True)] == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_draft_model_catches_up_only_where_its_drafts_repay_the_catch_up():
+    """A row whose draft KV lags (its prompt, the first time it drafts) first costs the draft's catch-up over those
+    tokens: drafts for it are chosen only where they save more than that over the tokens still to come."""
+    budget = DraftBudget()
+    budget.observe_step(8, 0.100)
+    budget.observe_step(16, 0.100, num_drafts=8)  # drafts cost nothing more: 8 + 8 x 0.9 tokens a step, not 8
+    likely = [0.9]
+    entry = [2.0] + [0.0] * 7  # row 0 catches up over 1000 tokens at 2 ms each
+
+    def drafted(remaining_tokens, entry_costs):
+        return budget.allot(8, 8, [likely] * 8, room=8, remaining_tokens=remaining_tokens, entry_costs=entry_costs)
+
+    # A step saves 1 - 8 / 15.2 of its 0.1 s, 0.0059 s a token, against plain steps: 2 s repaid over 340 tokens.
+    assert drafted(100, None) == [1] * 8 == drafted(100, [0.0] * 8)
+    assert drafted(100, entry)[0] == 0 < sum(drafted(100, entry))  # the others draft (fewer: a smaller program)
+    assert drafted(1000, entry) == [1] * 8
+    assert budget.catch_up_seconds_per_token(default=0.5) == 0.5  # nothing measured
+    budget.observe_catch_up(1000, 3.0)
+    budget.observe_catch_up(1000, 2.0)
+    assert budget.catch_up_seconds_per_token(default=0.5) == pytest.approx(0.002)

@@ -30,6 +30,9 @@ from paxkv.scheduling.scheduler import Scheduler
 from paxkv.scheduling.stopping import NONFINITE_TOKEN
 from paxkv.speculation.drafter import Drafter
 
+# Catch-ups of at least this many tokens are timed as a draft model's catch-up cost (its drafting a small part).
+MIN_MEASURED_CATCH_UP = 64
+
 
 class Engine:
     """Continuous batching over one page pool (in D >= 1 replica partitions) with a jitted ragged step."""
@@ -52,7 +55,7 @@ class Engine:
         self.runner = ModelRunner(
             loaded, pool, self.preemption, config, max_model_len=self.max_model_len, mesh=self.mesh, draft=draft
         )
-        self.drafter = None
+        self.drafter, self._draft_size_ratio = None, None
         if speculative is not None:
             runner = self.runner
             self.drafter = Drafter(
@@ -60,6 +63,7 @@ class Engine:
                 jax.process_count(),
                 has_compiled=runner.has_compiled,
                 compile_ahead=runner.compile_ahead,
+                catch_up_seconds_per_token=self._draft_prefill_seconds_per_token,
             )
         self.scheduler = Scheduler(
             num_replicas=pool.num_replicas,
@@ -170,6 +174,16 @@ class Engine:
         self.metrics.num_compilations = self.num_compilations
         return outputs
 
+    def _draft_prefill_seconds_per_token(self) -> float:
+        """A draft model's catch-up cost per token before one is measured: the target's prefill rate, scaled by the
+        two models' parameter counts."""
+        if self._draft_size_ratio is None:
+            draft, target = (
+                sum(x.size for x in jax.tree.leaves(m.state)) for m in (self.runner.draft.draft, self.loaded)
+            )
+            self._draft_size_ratio = draft / target
+        return self._draft_size_ratio / self.preemption.prefill_tokens_per_s
+
     def _observe_step_cost(self, batch: ScheduledBatch, seconds: float, alone: bool) -> None:
         """Give the draft budget the step's time: as a compile's where it compiled (what trying an unseen shape
         costs), else as its T and R's (per replica), unless a draft model first caught up over more tokens than
@@ -184,7 +198,10 @@ class Engine:
             self.drafter.budget.observe_compile(seconds)
             return
         num_tokens = max(replica.num_batched_tokens for replica in batch.replica_batches)
-        if self.runner.draft is not None and self.runner.draft.last_catch_up_tokens > num_tokens:
+        draft = self.runner.draft
+        if draft is not None and draft.last_catch_up_tokens >= MIN_MEASURED_CATCH_UP and alone:
+            self.drafter.budget.observe_catch_up(draft.last_catch_up_tokens, draft.last_fill_seconds)
+        if draft is not None and draft.last_catch_up_tokens > num_tokens:
             return
         num_drafts = max(num_draft_rows(replica) for replica in batch.replica_batches)
         self.drafter.budget.observe_step(num_tokens, seconds, num_drafts, contended=not alone)

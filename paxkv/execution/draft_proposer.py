@@ -26,6 +26,7 @@ draft and of speculation itself.
 import contextlib
 import dataclasses
 import functools
+import time
 from collections.abc import Callable
 
 import jax
@@ -186,6 +187,7 @@ class DraftModelProposer:
         self.num_catch_up_tokens = 0  # tokens the draft ran before a drafting row's last token (catching up)
         self.last_fill_compiled = False  # whether the last fill compiled a draft program
         self.last_catch_up_tokens = 0  # the last fill's catch-up tokens (the most of any replica)
+        self.last_fill_seconds = 0.0  # the last fill's wall time, drafts on the host
 
     def fill(
         self, batch: ScheduledBatch, kv_caches: list, seed_of: Callable[[str], int]
@@ -199,6 +201,7 @@ class DraftModelProposer:
           seed_of: request id -> the seed of its samples (the target's: drafts are drawn with the same keys).
         """
         self.last_fill_compiled, self.last_catch_up_tokens, self.last_fill_sizes = False, 0, []
+        start = time.monotonic()
         drafting = [[s for s in replica.sequences if s.num_draft_tokens] for replica in batch.replica_batches]
         if not any(drafting):
             return batch, kv_caches
@@ -219,7 +222,9 @@ class DraftModelProposer:
         drafts, kv_caches = self._run(spans, kv_caches, drafting, seed_of)
         self.num_drafting_programs += 1
         self.last_fill_compiled = num_draft_compilations() > compiled_before
-        return _with_drafts(batch, host_value(drafts)), kv_caches
+        batch = _with_drafts(batch, host_value(drafts))
+        self.last_fill_seconds = time.monotonic() - start
+        return batch, kv_caches
 
     def program_sizes(self, spans: list[list[int]]) -> list[tuple[int, int]]:
         """The (T, S) of the programs fill runs for drafting rows whose draft spans (the tokens it runs for each: its

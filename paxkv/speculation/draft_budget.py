@@ -61,6 +61,7 @@ class DraftBudget:
         self._samples: dict[tuple, collections.deque[float]] = {}  # (table, key) -> its latest step times
         self._contended: set[tuple] = set()  # (table, key) measured only while a compile shared the CPU
         self.compile_seconds = DEFAULT_COMPILE_SECONDS  # mean time of the steps that compiled
+        self._catch_up_samples: collections.deque[float] = collections.deque(maxlen=COST_WINDOW)
         self.num_compiled_steps = 0
         self.num_emitted = 0  # tokens the engine has emitted so far
         self.num_drafts = 0
@@ -156,6 +157,15 @@ class DraftBudget:
         known = self.compile_seconds if self.num_compiled_steps > 1 else seconds
         self.compile_seconds = known + (seconds - known) / self.num_compiled_steps
 
+    def observe_catch_up(self, num_tokens: int, seconds: float) -> None:
+        """Record a draft model's fill that caught it up over `num_tokens` tokens (its drafting included, a small
+        part where the catch-up is long) in `seconds`."""
+        self._catch_up_samples.append(seconds / num_tokens)
+
+    def catch_up_seconds_per_token(self, default: float) -> float:
+        """What a draft model's catch-up costs per token: the least of the latest measured, else `default`."""
+        return min(self._catch_up_samples, default=default)
+
     def observe_emitted(self, num_tokens: int) -> None:
         """Record the tokens a step emitted."""
         self.num_emitted += num_tokens
@@ -224,6 +234,7 @@ class DraftBudget:
         remaining_tokens: int = 0,
         compile_ahead: Callable[[list[int]], None] | None = None,
         level_size: int = 1,
+        entry_costs: list[float] | None = None,
     ) -> list[int]:
         """How many drafts each candidate verifies this step.
 
@@ -244,6 +255,9 @@ class DraftBudget:
             background.
           level_size: drafts count only in whole levels of this many (the j-th draft of every candidate): a count
             of drafts is a choice only where it completes one (Drafter.choose, for rows that finish together).
+          entry_costs: per candidate, seconds it costs before its first draft (a draft model catching up over the
+            tokens it skipped, its prompt the first time): a choice whose candidates cost more than it saves over
+            `remaining_tokens`, against plain steps, is no choice; None: none.
         """
         if not self.adaptive:
             counts, left = [], room
@@ -274,6 +288,9 @@ class DraftBudget:
             cost = self.step_cost(num_tokens + count, count)
             if cost is None:
                 break
+            if entry_costs is not None and not self._repays_entry(counts, entry_costs, expected, cost, num_tokens,
+                                                                   num_emitting, remaining_tokens):  # fmt: skip
+                continue
             options.append((list(counts), expected, cost, compiled is None or compiled(list(counts))))
         base_cost = self.step_cost(num_tokens)
         best, best_rate = [0] * len(candidates), num_emitting / base_cost if base_cost else None
@@ -293,6 +310,26 @@ class DraftBudget:
             if wanted:
                 compile_ahead(max(wanted)[1])
         return best
+
+    def _repays_entry(
+        self,
+        counts: list[int],
+        entry_costs: list[float],
+        expected: float,
+        cost: float,
+        num_tokens: int,
+        num_emitting: int,
+        remaining_tokens: int,
+    ) -> bool:
+        """Whether drafting `counts` saves more than the drafting candidates' entry costs over `remaining_tokens`
+        tokens, against plain steps (emitting `expected` tokens in `cost` seconds a step)."""
+        entry = sum(seconds for seconds, count in zip(entry_costs, counts, strict=True) if count)
+        if entry <= 0:
+            return True
+        base_cost = self.step_cost(num_tokens)
+        if not base_cost or cost <= 0:
+            return False
+        return remaining_tokens * (base_cost / num_emitting - cost / expected) > entry
 
 
 def _at(counts: list[int], j: int) -> int:

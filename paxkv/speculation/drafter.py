@@ -36,6 +36,7 @@ class Drafter:
         num_processes: int = 1,
         has_compiled: Callable[[int, int, bool, int, bool, bool, list[int]], bool] | None = None,
         compile_ahead: Callable[[int, int, bool, int, bool, bool, list[int]], None] | None = None,
+        catch_up_seconds_per_token: Callable[[], float] | None = None,
     ):
         """Args:
         config: the method, draft length and n-gram sizes.
@@ -45,6 +46,8 @@ class Drafter:
           the budget chooses is one compiled: it never waits for a compile.
         compile_ahead: the same -> have such a step's programs compiled in the background
           (ModelRunner.compile_ahead), for the shapes the budget expects to repay it.
+        catch_up_seconds_per_token: what a draft model's catch-up is taken to cost per token until one is measured
+          (DraftBudget.observe_catch_up); None: nothing.
         """
         if config.adaptive and num_processes > 1:
             # Every process must plan the same batches, and step times differ between hosts: use none of them.
@@ -53,6 +56,7 @@ class Drafter:
             config = dataclasses.replace(config, adaptive=False)
         self.config = config
         self.has_compiled, self.compile_ahead = has_compiled, compile_ahead
+        self.catch_up_seconds_per_token = catch_up_seconds_per_token
         self.budget = DraftBudget(adaptive=config.adaptive)
         self._indexes: dict[str, NgramIndex] = {}
         self._stats: dict[str, DraftStats] = {}
@@ -110,7 +114,7 @@ class Drafter:
         catch_up_left, first_catch_up = num_tokens + token_budget, True
         longest = max(rooms, default=0) - self.config.num_speculative_tokens
         num_longest = sum(room >= longest for room in rooms)
-        rows, proposals, kinds, remaining_tokens = [], [], [], 0
+        rows, proposals, kinds, catch_ups, remaining_tokens = [], [], [], [], 0
         for index, (sequence, room) in enumerate(zip(sequences, rooms, strict=True)):
             request = sequence.request
             if sequence.num_new_tokens != 1 or not sequence.completes_prompt:
@@ -128,6 +132,7 @@ class Drafter:
                 rows.append(index)
                 proposals.append(drafts)
                 kinds.append(kind)
+                catch_ups.append(catch_up)
                 self._kinds[request.request_id] = kind
         if not rows:
             return []
@@ -170,8 +175,20 @@ class Drafter:
             def compile_ahead(counts: list[int]) -> None:
                 self.compile_ahead(*step(counts))
 
+        entry_costs = None  # a draft model's catch-ups: a request's whole prompt the first time it drafts
+        if self.config.method == "draft_model" and self.catch_up_seconds_per_token is not None:
+            per_token = self.budget.catch_up_seconds_per_token(self.catch_up_seconds_per_token())
+            entry_costs = [catch_up * per_token for catch_up in catch_ups]
         counts = self.budget.allot(
-            num_tokens, num_emitting, candidates, token_budget, compiled, remaining_tokens, compile_ahead, level_size
+            num_tokens,
+            num_emitting,
+            candidates,
+            token_budget,
+            compiled,
+            remaining_tokens,
+            compile_ahead,
+            level_size,
+            entry_costs,
         )
         return [(i, d[:c]) for i, d, c in zip(rows, proposals, counts, strict=True) if c]
 
