@@ -1,8 +1,6 @@
 """The draft budget and the drafter's choice, without a model: step costs, compiles, acceptance per kind of proposal,
 processes that plan together, and closed batches."""
 
-import dataclasses
-
 import pytest
 
 from paxkv.config import SpeculativeConfig
@@ -159,33 +157,6 @@ def test_with_nothing_waiting_only_the_rows_with_the_most_left_draft():
     assert drafted_rows(True) == [0, 1, 2, 3]
 
 
-def test_with_nothing_waiting_the_longest_rows_draft_whole_levels_or_nothing():
-    """The batch's end moves only when every one of its longest rows drafts: the j-th drafts come for all of them
-    or none, and none at all where one of them has nothing to propose."""
-    params = SamplingParams(temperature=0.0, max_tokens=100)
-
-    def sequences(last_tokens):
-        made = []
-        for index, last in enumerate(last_tokens):  # 3 rows, 90 tokens left each
-            request = Request(str(index), [5, 6, 7] * 10, params)
-            request.output_token_ids = [5] * 9 + [last]
-            position = request.num_computed_tokens = request.num_tokens - 1
-            made.append(ScheduledSequence(request, [last], [position], [0], [0], request.num_tokens, True))
-        return made
-
-    budget_steps = {3: 0.010, 6: 0.011, 9: 0.012, 12: 0.013, 15: 0.014}  # tokens -> seconds: drafts nearly free
-    drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
-    for tokens, seconds in budget_steps.items():
-        drafter.budget.observe_step(tokens, seconds, num_drafts=tokens - 3)
-    chosen = drafter.choose(sequences([5, 5, 5]), 3, 64, 1000, nothing_waiting=True)
-    assert [index for index, _ in chosen] == [0, 1, 2] and len({len(drafts) for _, drafts in chosen}) == 1
-    # Row 2's last token never occurred before: it proposes nothing, so drafting rows 0 and 1 ends nothing sooner.
-    fresh = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
-    fresh.budget = drafter.budget
-    assert fresh.choose(sequences([5, 5, 999]), 3, 64, 1000, nothing_waiting=True) == []
-    assert [index for index, _ in fresh.choose(sequences([5, 5, 999]), 3, 64, 1000)] == [0, 1]  # requests wait
-
-
 def test_a_draft_models_catch_ups_share_the_token_budget_in_running_order():
     """A draft model catches a row up over the tokens it skipped before it drafts: a step's catch-ups take at most
     its token budget, except the first row catching up, whatever its size (so none waits forever); rows whose
@@ -203,10 +174,6 @@ def test_a_draft_models_catch_ups_share_the_token_budget_in_running_order():
     assert [index for index, _ in drafter.choose(sequences, 4, 60, 1000)] == [0, 1, 3]
     sequences[1].request.num_draft_computed = sequences[1].request.num_computed_tokens  # caught up
     assert [index for index, _ in drafter.choose(sequences, 4, 60, 1000)] == [0, 1, 2, 3, 4, 5]  # 60 of 64
-    # Rows that finish together draft together or not at all: with nothing waiting, every one catches up at once.
-    sequences[1].request.num_draft_computed = sequences[1].request.num_computed_tokens - 90
-    adaptive = Drafter(dataclasses.replace(config, adaptive=True))  # nothing measured yet: it tries
-    assert [index for index, _ in adaptive.choose(sequences, 4, 60, 1000, nothing_waiting=True)] == [0, 1, 2, 3, 4, 5]
 
 
 def test_a_draft_model_catches_up_only_where_its_drafts_repay_the_catch_up():

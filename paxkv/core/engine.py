@@ -197,6 +197,8 @@ class Engine:
         if self.runner.last_step_compiled:
             self.drafter.budget.observe_compile(seconds)
             return
+        if self.runner.last_step_first_run:
+            return  # a program compiled ahead, run for the first time: slower than it will be
         num_tokens = max(replica.num_batched_tokens for replica in batch.replica_batches)
         draft = self.runner.draft
         if draft is not None and draft.last_catch_up_tokens >= MIN_MEASURED_CATCH_UP and alone:

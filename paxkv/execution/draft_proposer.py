@@ -188,6 +188,7 @@ class DraftModelProposer:
         self.last_fill_compiled = False  # whether the last fill compiled a draft program
         self.last_catch_up_tokens = 0  # the last fill's catch-up tokens (the most of any replica)
         self.last_fill_seconds = 0.0  # the last fill's wall time, drafts on the host
+        self.last_fill_first_run = False  # whether the last fill ran a program compiled ahead for the first time
 
     def fill(
         self, batch: ScheduledBatch, kv_caches: list, seed_of: Callable[[str], int]
@@ -201,6 +202,7 @@ class DraftModelProposer:
           seed_of: request id -> the seed of its samples (the target's: drafts are drawn with the same keys).
         """
         self.last_fill_compiled, self.last_catch_up_tokens, self.last_fill_sizes = False, 0, []
+        self.last_fill_first_run = False
         start = time.monotonic()
         drafting = [[s for s in replica.sequences if s.num_draft_tokens] for replica in batch.replica_batches]
         if not any(drafting):
@@ -322,6 +324,7 @@ class DraftModelProposer:
         proposing = _proposing_rows(drafting, padded_sizes[1], seed_of)
         stacked = jax.tree.map(lambda *leaves: np.stack(leaves), *inputs)
         program = self._ahead_program(padded_sizes)
+        self.last_fill_first_run |= program is not None and padded_sizes not in self._ran
         self._ran.add(padded_sizes)
         self.last_fill_sizes.append(padded_sizes)
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():

@@ -233,7 +233,6 @@ class DraftBudget:
         compiled: Callable[[list[int]], bool] | None = None,
         remaining_tokens: int = 0,
         compile_ahead: Callable[[list[int]], None] | None = None,
-        level_size: int = 1,
         entry_costs: list[float] | None = None,
     ) -> list[int]:
         """How many drafts each candidate verifies this step.
@@ -253,8 +252,6 @@ class DraftBudget:
           remaining_tokens: tokens the decoding rows may still emit (what a compile is repaid over).
           compile_ahead: drafts per candidate -> have the programs of the step with them compiled in the
             background.
-          level_size: drafts count only in whole levels of this many (the j-th draft of every candidate): a count
-            of drafts is a choice only where it completes one (Drafter.choose, for rows that finish together).
           entry_costs: per candidate, seconds it costs before its first draft (a draft model catching up over the
             tokens it skipped, its prompt the first time): a choice whose candidates cost more than it saves over
             `remaining_tokens`, against plain steps, is no choice; None: none.
@@ -270,20 +267,18 @@ class DraftBudget:
             # (a guess from a bigger step's cost, once drafting began at the first decode step, made plain
             # decoding look as dear as drafting: a target-sized draft model drafted at batch 32 at 0.6x).
             return [0] * len(candidates)
-        # Most likely first; among equal gains, a candidate's earlier drafts first (whole levels).
+        # Most likely first; among equal gains, a candidate's earlier drafts first.
         ranked = ((gain, -j, row) for row, row_gains in enumerate(candidates) for j, gain in enumerate(row_gains))
         gains = [(gain, row) for gain, _, row in sorted(ranked, reverse=True)][:room]
         # (drafts per candidate, expected tokens, step cost, compiled?) at the last count of each program's buckets
-        # (within them the cost is flat: only the last count can be the best) or at each whole level, up to the
-        # first bucket beyond an unmeasured one.
+        # (within them the cost is flat: only the last count can be the best), up to the first bucket beyond an
+        # unmeasured one.
         options, expected, counts = [], float(num_emitting), [0] * len(candidates)
         for count, (gain, row) in enumerate(gains, start=1):
             expected += gain
             counts[row] += 1
             program = _program(num_tokens + count, count)
-            if count % level_size or (
-                level_size == 1 and count < len(gains) and _program(num_tokens + count + 1, count + 1) == program
-            ):
+            if count < len(gains) and _program(num_tokens + count + 1, count + 1) == program:
                 continue
             cost = self.step_cost(num_tokens + count, count)
             if cost is None:

@@ -94,9 +94,8 @@ class Drafter:
 
         While requests wait, a row that finishes early is refilled, so every emitted token counts. With nothing
         waiting, the running rows' work ends when the longest of them ends: only drafts of the rows within a draft
-        length of the most tokens left count, and only in whole levels (the j-th draft of every such row), each
-        worth one step of every row (drafts for a row that will finish early anyway, or for some of the longest
-        rows and not others, make every step dearer and the whole no sooner).
+        length of the most tokens left count, each as its share of those rows' progress (drafts for a row that
+        will finish early anyway make every step dearer and the whole no sooner).
 
         Args:
           sequences: the step's sequences so far.
@@ -109,8 +108,7 @@ class Drafter:
         rooms = [_room(sequence.request, max_model_len) for sequence in sequences]
         # A draft model first catches up over the tokens a row skipped (DraftModelProposer): a step's catch-ups
         # share one program's token budget, which only the first row catching up may exceed (in catch-up programs
-        # of its own), so that rows catch up in their running order and none waits forever; except where the rows
-        # finish together (below), whose drafts count only if all of them draft.
+        # of its own), so that rows catch up in their running order and none waits forever.
         catch_up_left, first_catch_up = num_tokens + token_budget, True
         longest = max(rooms, default=0) - self.config.num_speculative_tokens
         num_longest = sum(room >= longest for room in rooms)
@@ -125,8 +123,8 @@ class Drafter:
             drafts, kind = self.propose(request, room - 1)  # the step emits up to len(drafts) + 1 tokens
             catch_up = request.num_computed_tokens - request.num_draft_computed
             if drafts and self.config.method == "draft_model" and catch_up:
-                if catch_up > catch_up_left and not first_catch_up and not finish_together:
-                    continue  # catches up in a later step (rows that finish together draft together or not at all)
+                if catch_up > catch_up_left and not first_catch_up:
+                    continue  # catches up in a later step
                 catch_up_left, first_catch_up = catch_up_left - catch_up, False
             if drafts:
                 rows.append(index)
@@ -141,16 +139,8 @@ class Drafter:
             for i, d, kind in zip(rows, proposals, kinds, strict=True)
         ]
         num_emitting = sum(sequence.completes_prompt for sequence in sequences)
-        level_size = 1
-        if finish_together:
-            # The batch ends when its longest rows do: the j-th drafts move that end only if every longest row drafts
-            # them (one that does not is still as far from its end), and then by a step of num_emitting tokens. So
-            # drafts come in whole levels, each worth what its least likely draft is, shared among the rows.
-            if len(rows) < num_longest:
-                return []  # a longest row drafts nothing (nothing recurs, it prefills, or it catches up later)
-            depth = min(len(gains) for gains in candidates)
-            levels = [min(gains[j] for gains in candidates) * num_emitting / num_longest for j in range(depth)]
-            candidates, level_size = [levels] * len(rows), len(rows)
+        if finish_together:  # progress is the longest rows' mean, in the units of num_emitting tokens per row
+            candidates = [[gain * num_emitting / num_longest for gain in gains] for gains in candidates]
         compiled = compile_ahead = None
         prefills = any(sequence.num_new_tokens > 1 for sequence in sequences)
         params = [sequence.request.sampling_params for sequence in sequences]
@@ -187,7 +177,6 @@ class Drafter:
             compiled,
             remaining_tokens,
             compile_ahead,
-            level_size,
             entry_costs,
         )
         return [(i, d[:c]) for i, d, c in zip(rows, proposals, counts, strict=True) if c]
