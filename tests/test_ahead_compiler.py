@@ -10,6 +10,7 @@ from paxkv.config import EngineConfig
 from paxkv.core.engine import Engine
 from paxkv.entrypoints.batch_runner import drain
 from paxkv.scheduling.sampling_params import SamplingParams
+from paxkv.scheduling.scheduled_batch import SpeculatingStep
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 # Every step pads to 16 rows, 16 draft rows at least, and 128 tokens: few shapes.
@@ -91,7 +92,7 @@ def test_steps_compiled_ahead_compute_what_the_jitted_steps_compute(engine_llama
 
     def compile_every_shape(engine):
         for num_drafts in (16, 32, 64):
-            engine.runner.compile_ahead(16 + num_drafts, 16, False, num_drafts, True, True, [])  # logprobs, greedy
+            engine.runner.compile_ahead(SpeculatingStep(16 + num_drafts, 16, False, num_drafts, True, True))
         assert engine.runner.ahead.wait(timeout=600)
 
     outputs, engine, steps = _run(loaded, {**NGRAM, "adaptive": False}, compile_every_shape, mesh_shape)
@@ -119,9 +120,9 @@ def test_adaptive_speculation_never_runs_a_step_it_would_compile(loaded, referen
         engine.drafter.budget.observe_emitted(10**7)  # the work to come repays any compile
         compile_ahead = engine.drafter.compile_ahead
 
-        def compile_now(*shape):
-            asked.append(shape)
-            compile_ahead(*shape)
+        def compile_now(step):
+            asked.append(step)
+            compile_ahead(step)
             assert engine.runner.ahead.wait(timeout=600)
 
         engine.drafter.compile_ahead = compile_now
@@ -138,7 +139,7 @@ def test_adaptive_speculation_never_runs_a_step_it_would_compile(loaded, referen
     assert engine.runner.num_ahead_steps == len(drafting)
     assert engine.metrics.num_accepted_draft_tokens > 0
     if method == "draft_model":
-        assert all(spans for *_, spans in asked)  # what the draft runs, asked about with the target's programs
+        assert all(step.draft_spans for step in asked)  # what the draft runs, asked about with the target's programs
         assert engine.metrics.num_accepted_draft_tokens == engine.metrics.num_draft_tokens
 
 

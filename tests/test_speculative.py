@@ -10,6 +10,7 @@ from paxkv.config import EngineConfig, SpeculativeConfig
 from paxkv.core.engine import Engine
 from paxkv.entrypoints.batch_runner import drain
 from paxkv.scheduling.sampling_params import SamplingParams
+from paxkv.scheduling.scheduled_batch import SpeculatingStep
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -129,9 +130,15 @@ def test_greedy_output_is_unchanged_by_speculation(loaded, greedy_reference, pre
     # The runner knows which programs it has (what the adaptive budget asks before a step would compile one): every
     # draft-row bucket it ran, and not one it never did (up to 4 drafts on each of 16 rows: never 128).
     draft_row_buckets = {s[-1] for s in shapes}
-    assert all(engine.runner.has_compiled(5 + r, 5, False, r, True, True, []) for r in draft_row_buckets if r)
-    assert 128 not in draft_row_buckets and not engine.runner.has_compiled(5 + 128, 5, False, 128, True, True, [])
-    assert not engine.runner.has_compiled(5 + 16, 5, False, 16, False, False, [])  # a sampling variant never run
+    assert all(
+        engine.runner.has_compiled(SpeculatingStep(5 + r, 5, False, r, True, True)) for r in draft_row_buckets if r
+    )
+    assert 128 not in draft_row_buckets and not engine.runner.has_compiled(
+        SpeculatingStep(5 + 128, 5, False, 128, True, True)
+    )
+    assert not engine.runner.has_compiled(
+        SpeculatingStep(5 + 16, 5, False, 16, False, False)
+    )  # a sampling variant never run
 
 
 def test_a_draft_model_leaves_greedy_output_unchanged_through_preemption_by_swap(

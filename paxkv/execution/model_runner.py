@@ -1,6 +1,7 @@
 """ModelRunner: one scheduled batch to one device step: the page moves before it, its StepBatch, the jitted step."""
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from paxkv.execution.step_inputs import StepPadding, padded_draft_rows, padded_s
 from paxkv.execution.verification import emitted_candidates
 from paxkv.parallel.distributed import host_value
 from paxkv.scheduling.preemption import PreemptionPolicy
-from paxkv.scheduling.scheduled_batch import ScheduledBatch
+from paxkv.scheduling.scheduled_batch import ScheduledBatch, SpeculatingStep
 
 logger = logging.getLogger(__name__)
 
@@ -260,56 +261,28 @@ class ModelRunner:
         """The draft model's layers of the pool (none without one)."""
         return self.pool.kv_caches[self.pool.num_target_layers :]
 
-    def has_compiled(
-        self,
-        num_tokens: int,
-        num_seqs: int,
-        prefills: bool,
-        num_drafts: int,
-        with_logprobs: bool,
-        greedy_only: bool,
-        draft_spans: list[int],
-    ) -> bool:
+    def has_compiled(self, step: SpeculatingStep) -> bool:
         """Whether a speculating step (no penalties or min_tokens) would run without compiling: this runner has run
         or compiled ahead the forward program it pads to (padded_sizes), its sampling variant, and a draft model's
-        programs for it.
-
-        Args:
-          num_tokens: the step's tokens, drafts included.
-          num_seqs: its sequence rows.
-          prefills: whether a row runs more than one token besides its drafts.
-          num_drafts: its drafts.
-          with_logprobs: some row asks for logprobs.
-          greedy_only: every row is greedy.
-          draft_spans: per drafting row, the tokens a draft model runs for it (DraftModelProposer.program_sizes).
-        """
-        forward, sampling = self._program_keys(num_tokens, num_seqs, prefills, num_drafts, with_logprobs, greedy_only)
+        programs for it (DraftModelProposer.program_sizes)."""
+        forward, sampling = self._program_keys(step)
         _, num_seqs, num_draft_rows, *variant = sampling
         ran_forward = forward[1:] in self._forward_shapes
         ran_sampling = (num_seqs, False, False, *variant, num_draft_rows) in self._sampling_shapes
         return (
             (ran_forward or self.ahead.program(forward) is not None)
             and (ran_sampling or self.ahead.program(sampling) is not None)
-            and (self.draft is None or self.draft.has_compiled([draft_spans]))
+            and (self.draft is None or self.draft.has_compiled([list(step.draft_spans)]))
         )
 
-    def compile_ahead(
-        self,
-        num_tokens: int,
-        num_seqs: int,
-        prefills: bool,
-        num_drafts: int,
-        with_logprobs: bool,
-        greedy_only: bool,
-        draft_spans: list[int],
-    ) -> None:
-        """Have the programs of such a step (as has_compiled takes it) that are not compiled yet compiled on the
-        AheadCompiler's worker, so that a later step runs them without waiting for a compile."""
+    def compile_ahead(self, step: SpeculatingStep) -> None:
+        """Have the programs of such a step that are not compiled yet compiled on the AheadCompiler's worker, so
+        that a later step runs them without waiting for a compile."""
         if self.draft is not None:
-            self.draft.compile_ahead([draft_spans], self.draft_layers)
-        if self.has_compiled(num_tokens, num_seqs, prefills, num_drafts, with_logprobs, greedy_only, []):
+            self.draft.compile_ahead([list(step.draft_spans)], self.draft_layers)
+        if self.has_compiled(dataclasses.replace(step, draft_spans=())):
             return
-        forward, sampling = self._program_keys(num_tokens, num_seqs, prefills, num_drafts, with_logprobs, greedy_only)
+        forward, sampling = self._program_keys(step)
         _, padded_tokens, padded_seqs, num_draft_rows = forward
         batch = empty_step_batch(
             self.pool.num_replicas,
@@ -324,20 +297,19 @@ class ModelRunner:
         # The sampling's input is the forward's output, shaped and sharded as the compiled forward gives it: the
         # forward is compiled ahead too (once) where only its jitted twin ran.
         self.ahead.request(forward, lambda: compile_forward(graph, state, kv_caches, batch))
+        with_logprobs, greedy_only = step.with_logprobs, step.greedy_only
         self.ahead.request(
             sampling, lambda: compile_sampling(self.ahead.program(forward), batch, with_logprobs, greedy_only)
         )
 
-    def _program_keys(
-        self, num_tokens: int, num_seqs: int, prefills: bool, num_drafts: int, with_logprobs: bool, greedy_only: bool
-    ) -> tuple[tuple, tuple]:
+    def _program_keys(self, step: SpeculatingStep) -> tuple[tuple, tuple]:
         """The ahead compiler's keys of a step's programs: ("forward", T, S, R), ("sampling", S, R, logprobs?, all
         greedy?)."""
         budgets = self.config.max_num_batched_tokens, self.config.max_num_seqs
-        num_tokens, num_seqs = padded_sizes(num_tokens, num_seqs, prefills, *budgets, self.padding)
-        num_draft_rows = padded_draft_rows(num_drafts, budgets[0], self.padding)
+        num_tokens, num_seqs = padded_sizes(step.num_tokens, step.num_seqs, step.prefills, *budgets, self.padding)
+        num_draft_rows = padded_draft_rows(step.num_drafts, budgets[0], self.padding)
         forward = ("forward", num_tokens, num_seqs, num_draft_rows)
-        return forward, ("sampling", num_seqs, num_draft_rows, with_logprobs, greedy_only)
+        return forward, ("sampling", num_seqs, num_draft_rows, step.with_logprobs, step.greedy_only)
 
     def _record(self, shape: tuple, forward_ready: bool = False, sampling_ready: bool = False) -> bool:
         """Note a step's shape; whether its forward (T, S, R) or its sampling (S, optional parts, R) was new and not

@@ -152,6 +152,19 @@ class ScheduledBatch:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpeculatingStep:
+    """A step being planned with drafts, as the drafter asks whether its programs are compiled (before padding)."""
+
+    num_tokens: int  # its tokens, drafts included
+    num_seqs: int  # its sequence rows
+    prefills: bool  # some row runs more than one token besides its drafts
+    num_drafts: int
+    with_logprobs: bool  # some row asks for logprobs
+    greedy_only: bool  # every row is greedy
+    draft_spans: tuple[int, ...] = ()  # per drafting row, the tokens a draft model runs for it (its catch-up + 1)
+
+
+@dataclasses.dataclass(frozen=True)
 class StepOutcome:
     """What recording a step's tokens changed: the requests that finished, the samples forked (n > 1), which run
     from the next step on, and how many of its tokens each request took (fewer than given where one stopped it)."""

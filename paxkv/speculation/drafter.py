@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from paxkv.config import SpeculativeConfig
 from paxkv.scheduling.request import Request
-from paxkv.scheduling.scheduled_batch import ScheduledSequence
+from paxkv.scheduling.scheduled_batch import ScheduledSequence, SpeculatingStep
 from paxkv.scheduling.stopping import holds_back_stops
 from paxkv.speculation.draft_budget import DraftBudget, DraftStats
 from paxkv.speculation.ngram_proposer import NgramIndex
@@ -34,16 +34,15 @@ class Drafter:
         self,
         config: SpeculativeConfig,
         num_processes: int = 1,
-        has_compiled: Callable[[int, int, bool, int, bool, bool, list[int]], bool] | None = None,
-        compile_ahead: Callable[[int, int, bool, int, bool, bool, list[int]], None] | None = None,
+        has_compiled: Callable[[SpeculatingStep], bool] | None = None,
+        compile_ahead: Callable[[SpeculatingStep], None] | None = None,
         catch_up_seconds_per_token: Callable[[], float] | None = None,
     ):
         """Args:
         config: the method, draft length and n-gram sizes.
         num_processes: the processes that plan the same batches (jax.process_count()).
-        has_compiled: (tokens, rows, prefills, drafts, logprobs?, all greedy?, a draft model's spans) -> whether
-          such a step's programs are compiled (ModelRunner.has_compiled); None: take every step as compiled. A step
-          the budget chooses is one compiled: it never waits for a compile.
+        has_compiled: whether a step's programs are compiled (ModelRunner.has_compiled); None: take every step as
+          compiled. A step the budget chooses is one compiled: it never waits for a compile.
         compile_ahead: the same -> have such a step's programs compiled in the background
           (ModelRunner.compile_ahead), for the shapes the budget expects to repay it.
         catch_up_seconds_per_token: what a draft model's catch-up is taken to cost per token until one is measured
@@ -150,20 +149,20 @@ class Drafter:
         if self.config.method != "draft_model":
             spans = [0] * len(rows)
 
-        def step(counts: list[int]) -> tuple:  # the step with these drafts, as the runner's callbacks take it
+        def step(counts: list[int]) -> SpeculatingStep:  # the step with these drafts
             num_drafts = sum(counts)
-            draft_spans = [span for span, count in zip(spans, counts, strict=True) if count and span]
-            return num_tokens + num_drafts, len(sequences), prefills, num_drafts, *variant, draft_spans
+            draft_spans = tuple(span for span, count in zip(spans, counts, strict=True) if count and span)
+            return SpeculatingStep(num_tokens + num_drafts, len(sequences), prefills, num_drafts, *variant, draft_spans)
 
         if self.has_compiled is not None:
 
             def compiled(counts: list[int]) -> bool:
-                return self.has_compiled(*step(counts))
+                return self.has_compiled(step(counts))
 
         if self.compile_ahead is not None:
 
             def compile_ahead(counts: list[int]) -> None:
-                self.compile_ahead(*step(counts))
+                self.compile_ahead(step(counts))
 
         entry_costs = None  # a draft model's catch-ups: a request's whole prompt the first time it drafts
         if self.config.method == "draft_model" and self.catch_up_seconds_per_token is not None:
