@@ -96,6 +96,13 @@ class LiveRows:
         return int(self._num_accepted[sequence_index])
 
 
+def program_keys(shape: tuple) -> tuple[tuple, tuple]:
+    """The names of a step shape's two programs (T, S, token counts?, suppress?, logprobs?, all greedy?, R), as the
+    runner notes them and the AheadCompiler keeps them: ("forward", T, S, R) and ("sampling", S, R, the variant)."""
+    num_tokens, num_rows, *variant, num_draft_rows = shape
+    return ("forward", num_tokens, num_rows, num_draft_rows), ("sampling", num_rows, num_draft_rows, *variant)
+
+
 class ModelRunner:
     """Runs an engine's steps on its devices: moves pages (swap out and in, copy-on-write), lays the batch out as
     padded arrays, and runs the step (execution.step.run_step) over the pool, which it donates and replaces."""
@@ -143,13 +150,11 @@ class ModelRunner:
         # (T bucket, S bucket, penalties?, suppress?, logprobs?, all greedy?, R draft rows): each one a (forward,
         # sampling) pair, the forward's program keyed by (T, S, R) and the sampling's by the rest.
         self.step_shapes: set[tuple[int, int, bool, bool, bool, bool, int]] = set()
-        self._forward_shapes: set[tuple] = set()
-        self._sampling_shapes: set[tuple] = set()
+        self._ran_programs: set[tuple] = set()  # program_keys of every shape run (jitted or compiled ahead)
         self.last_step_compiled = False  # whether the last step's programs were new here (its time includes compiling)
         # Whether it ran a program compiled ahead for the first time: a new executable's first run costs more than
         # its later ones (measured: a SmolLM2 step of 8 tokens and 8 drafts, 143-164 ms against 82 later).
         self.last_step_first_run = False
-        self._ran_ahead: set[tuple] = set()
         self.num_pages_swapped = 0
 
     def step_batch(self, batch: ScheduledBatch, seed_of: Callable[[str], int]) -> tuple[StepBatch, bool]:
@@ -190,16 +195,10 @@ class ModelRunner:
         num_draft_rows = 0 if step_batch.drafts is None else step_batch.drafts.tokens.shape[-1]
         vocab_arrays = step_batch.token_counts is not None, step_batch.suppress is not None
         shape = (num_tokens, num_rows, *vocab_arrays, with_logprobs, greedy_only, num_draft_rows)
-        forward_key = ("forward", num_tokens, num_rows, num_draft_rows)
-        forward = self.ahead.program(forward_key)
-        sampling_key = ("sampling", num_rows, num_draft_rows, with_logprobs, greedy_only)
-        sampling = None if any(vocab_arrays) else self.ahead.program(sampling_key)  # no such variant ahead
-        new_programs = self._record(shape, forward is not None, sampling is not None)
+        forward, sampling = (self.ahead.program(key) for key in program_keys(shape))
+        new_programs, first_ahead_run = self._record(shape, (forward, sampling))
         self.num_ahead_steps += forward is not None
-        ahead_keys = [key for key, program in ((forward_key, forward), (sampling_key, sampling)) if program is not None]
-        self.last_step_first_run = any(key not in self._ran_ahead for key in ahead_keys)
-        self.last_step_first_run |= self.draft is not None and self.draft.last_fill_first_run
-        self._ran_ahead.update(ahead_keys)
+        self.last_step_first_run = first_ahead_run or (self.draft is not None and self.draft.last_fill_first_run)
         self.last_step_compiled = new_programs or (self.draft is not None and self.draft.last_fill_compiled)
         # Under the mesh, a Pallas kernel runs per model shard (models.sharding.attention_on_mesh).
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
@@ -265,15 +264,8 @@ class ModelRunner:
         """Whether a speculating step (no penalties or min_tokens) would run without compiling: this runner has run
         or compiled ahead the forward program it pads to (padded_sizes), its sampling variant, and a draft model's
         programs for it (DraftModelProposer.program_sizes)."""
-        forward, sampling = self._program_keys(step)
-        _, num_seqs, num_draft_rows, *variant = sampling
-        ran_forward = forward[1:] in self._forward_shapes
-        ran_sampling = (num_seqs, False, False, *variant, num_draft_rows) in self._sampling_shapes
-        return (
-            (ran_forward or self.ahead.program(forward) is not None)
-            and (ran_sampling or self.ahead.program(sampling) is not None)
-            and (self.draft is None or self.draft.has_compiled([list(step.draft_spans)]))
-        )
+        ready = all(key in self._ran_programs or self.ahead.program(key) is not None for key in self._keys(step))
+        return ready and (self.draft is None or self.draft.has_compiled([list(step.draft_spans)]))
 
     def compile_ahead(self, step: SpeculatingStep) -> None:
         """Have the programs of such a step that are not compiled yet compiled on the AheadCompiler's worker, so
@@ -282,7 +274,7 @@ class ModelRunner:
             self.draft.compile_ahead([list(step.draft_spans)], self.draft_layers)
         if self.has_compiled(dataclasses.replace(step, draft_spans=())):
             return
-        forward, sampling = self._program_keys(step)
+        forward, sampling = self._keys(step)
         _, padded_tokens, padded_seqs, num_draft_rows = forward
         batch = empty_step_batch(
             self.pool.num_replicas,
@@ -302,27 +294,28 @@ class ModelRunner:
             sampling, lambda: compile_sampling(self.ahead.program(forward), batch, with_logprobs, greedy_only)
         )
 
-    def _program_keys(self, step: SpeculatingStep) -> tuple[tuple, tuple]:
-        """The ahead compiler's keys of a step's programs: ("forward", T, S, R), ("sampling", S, R, logprobs?, all
-        greedy?)."""
+    def _keys(self, step: SpeculatingStep) -> tuple[tuple, tuple]:
+        """program_keys of the shape a speculating step pads to."""
         budgets = self.config.max_num_batched_tokens, self.config.max_num_seqs
         num_tokens, num_seqs = padded_sizes(step.num_tokens, step.num_seqs, step.prefills, *budgets, self.padding)
         num_draft_rows = padded_draft_rows(step.num_drafts, budgets[0], self.padding)
-        forward = ("forward", num_tokens, num_seqs, num_draft_rows)
-        return forward, ("sampling", num_seqs, num_draft_rows, step.with_logprobs, step.greedy_only)
+        return program_keys((num_tokens, num_seqs, False, False, step.with_logprobs, step.greedy_only, num_draft_rows))
 
-    def _record(self, shape: tuple, forward_ready: bool = False, sampling_ready: bool = False) -> bool:
-        """Note a step's shape; whether its forward (T, S, R) or its sampling (S, optional parts, R) was new and not
-        compiled ahead (forward_ready, sampling_ready): whether the step compiled."""
-        num_tokens, num_rows, *_, num_draft_rows = shape
-        forward, sampling = (num_tokens, num_rows, num_draft_rows), shape[1:]
-        new = (forward not in self._forward_shapes and not forward_ready) or (
-            sampling not in self._sampling_shapes and not sampling_ready
-        )
+    def _record(self, shape: tuple, ahead: tuple = (None, None)) -> tuple[bool, bool]:
+        """Note a step's shape; whether one of its programs was new here and not compiled ahead (the step compiled),
+        and whether one compiled ahead ran for the first time.
+
+        Args:
+          shape: the step's shape, as step_shapes holds them.
+          ahead: its (forward, sampling) programs compiled ahead, None where it runs the jitted one.
+        """
+        keys = program_keys(shape)
+        new = [key not in self._ran_programs for key in keys]
+        compiled = any(is_new and program is None for is_new, program in zip(new, ahead, strict=True))
+        first_ahead_run = any(is_new and program is not None for is_new, program in zip(new, ahead, strict=True))
         self.step_shapes.add(shape)
-        self._forward_shapes.add(forward)
-        self._sampling_shapes.add(sampling)
-        return new
+        self._ran_programs.update(keys)
+        return compiled, first_ahead_run
 
     def move_pages(self, batch: ScheduledBatch) -> None:
         """Before the step: pages out to the host (preemption by swap), back in (resumption), copies on write."""

@@ -145,9 +145,7 @@ class Drafter:
         params = [sequence.request.sampling_params for sequence in sequences]
         variant = any(p.logprobs is not None for p in params), all(p.greedy for p in params)  # the sampling's
         # What a draft model runs for each candidate row that drafts: its catch-up and its last token.
-        spans = [sequences[i].request.num_computed_tokens - sequences[i].request.num_draft_computed + 1 for i in rows]
-        if self.config.method != "draft_model":
-            spans = [0] * len(rows)
+        spans = [catch_up + 1 if self.config.method == "draft_model" else 0 for catch_up in catch_ups]
 
         def step(counts: list[int]) -> SpeculatingStep:  # the step with these drafts
             num_drafts = sum(counts)
