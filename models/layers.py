@@ -9,6 +9,8 @@ from models.rope import rotate
 from models.sharding import attention_on_mesh
 from pallas_kernels import (
     AttentionMetadata,
+    amx_matmul_cpu,
+    amx_matmul_reads,
     blocked_matmul_cpu,
     blocked_matmul_reads,
     native_matmul_reads,
@@ -30,8 +32,10 @@ def project(spec: str, x: jax.Array, weight: jax.Array, *, native: bool = False)
     weights).
 
     With `native` (the model runs the native CPU kernels), products of a few rows that XLA:CPU reads slowly go
-    to pallas_kernels' small-row matmul instead, with the same numerics: bf16 weights at 1 to 8 rows, f32 ones at
-    2 to 8 (XLA reads f32 fastest at one row), unless the weight may be partitioned over a mesh axis here.
+    to pallas_kernels' native matmuls instead, with the same numerics: bf16 weights at 8 to 64 rows to the AMX
+    kernel where the CPU has AMX, at 1 to 8 rows to the small-row kernel (f32 ones at 2 to 8: XLA reads f32 fastest
+    at one row), and tens of rows to the blocked kernel where it beats XLA on this kind of CPU; never when the weight
+    may be partitioned over a mesh axis here.
 
     Args:
       spec: the einsum, x's letters first (its first axis is the tokens).
@@ -39,8 +43,9 @@ def project(spec: str, x: jax.Array, weight: jax.Array, *, native: bool = False)
       weight: a parameter's value in its storage dtype.
       native: whether the native CPU kernels may run (models.load resolved attention_impl to cpu_native).
     """
-    if native and _native_project_takes(spec, x, weight):
-        return _native_project(spec, x, weight)
+    out = _native_project(spec, x, weight) if native else None
+    if out is not None:
+        return out
     if weight.dtype == x.dtype or jnp.dtype(weight.dtype).itemsize >= jnp.dtype(x.dtype).itemsize:
         return jnp.einsum(spec, x, weight.astype(x.dtype))
     rows = x.shape[0]
@@ -66,24 +71,35 @@ def _native_layout(spec: str) -> str | None:
     return None
 
 
-def _native_project_takes(spec: str, x: jax.Array, weight: jax.Array) -> bool:
-    """Whether the small-row kernel runs this product: its layouts and dtypes, a row count where it beats XLA, and
-    no automatic mesh axis over more than one device (the weight could be split there; shard_map'd steps are
-    manual)."""
+def _native_matmul(spec: str, x: jax.Array, weight: jax.Array):
+    """The native kernel that takes this product (AMX, small-row or blocked), or None: its layouts and dtypes, a row
+    count where it beats XLA, and no automatic mesh axis over more than one device (the weight could be split there;
+    shard_map'd steps are manual)."""
     rows = x.shape[0]
     fewest = 1 if weight.dtype == jnp.bfloat16 else 2
     layout = _native_layout(spec)
     if layout is None or x.dtype != jnp.float32 or rows < fewest:
-        return False
-    if not (native_matmul_reads(rows, weight.dtype) or blocked_matmul_reads(rows, weight.dtype, layout == "NK")):
-        return False
+        return None
     mesh = jax.sharding.get_abstract_mesh()
-    return not any(mesh.shape[axis] > 1 for axis in mesh.axis_names if axis not in mesh.manual_axes)
+    if any(mesh.shape[axis] > 1 for axis in mesh.axis_names if axis not in mesh.manual_axes):
+        return None
+    depth = x.shape[1]
+    columns = weight.shape[0] if layout == "NK" else weight.size // depth
+    if amx_matmul_reads(rows, weight.dtype, columns, depth, layout == "NK"):
+        return amx_matmul_cpu
+    if native_matmul_reads(rows, weight.dtype):
+        return small_matmul_cpu
+    if blocked_matmul_reads(rows, weight.dtype, layout == "NK"):
+        return blocked_matmul_cpu
+    return None
 
 
-def _native_project(spec: str, x: jax.Array, weight: jax.Array) -> jax.Array:
-    """project() through pallas_kernels' small-row or blocked matmul, the weight viewed as a matrix."""
-    matmul = small_matmul_cpu if native_matmul_reads(x.shape[0], weight.dtype) else blocked_matmul_cpu
+def _native_project(spec: str, x: jax.Array, weight: jax.Array):
+    """project() through pallas_kernels' AMX, small-row or blocked matmul, the weight viewed as a matrix; None when
+    none of them takes it."""
+    matmul = _native_matmul(spec, x, weight)
+    if matmul is None:
+        return None
     if _native_layout(spec) == "NK":
         return matmul(x, weight, contraction_last=True)
     out = matmul(x, weight.reshape(weight.shape[0], -1))  # [T, N...]

@@ -1,5 +1,6 @@
 """Paged-attention kernels, the CPU's native matmuls, and their pure-jnp references; depends on jax only."""
 
+from pallas_kernels.cpu_amx_matmul import MAX_AMX_ROWS, MIN_AMX_ROWS, amx_matmul_cpu, amx_matmul_reads
 from pallas_kernels.cpu_blocked_matmul import MIN_BLOCKED_ROWS, blocked_matmul_cpu, blocked_matmul_reads
 from pallas_kernels.cpu_small_matmul import (
     MAX_NATIVE_ROWS,
@@ -39,11 +40,15 @@ from pallas_kernels.reference import ragged_paged_attention_reference
 __all__ = [
     "ATTENTION_IMPLS",
     "AttentionMetadata",
+    "MAX_AMX_ROWS",
     "MAX_NATIVE_ROWS",
+    "MIN_AMX_ROWS",
     "MIN_BLOCKED_ROWS",
     "QuantizedKVPages",
     "RESOLVED_IMPLS",
     "allocate_pages",
+    "amx_matmul_cpu",
+    "amx_matmul_reads",
     "blocked_matmul_cpu",
     "blocked_matmul_reads",
     "empty_quantized_pages",

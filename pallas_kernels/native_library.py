@@ -22,7 +22,8 @@ import jax.numpy as jnp
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # One library from every kernel's source (one compile, one load).
 SOURCES = tuple(
-    os.path.join(_HERE, name) for name in ("cpu_paged_attention.cc", "cpu_small_matmul.cc", "cpu_blocked_matmul.cc")
+    os.path.join(_HERE, name)
+    for name in ("cpu_paged_attention.cc", "cpu_small_matmul.cc", "cpu_blocked_matmul.cc", "cpu_amx_matmul.cc")
 )
 # The headers they include from beside themselves: part of the library's cache key.
 HEADERS = tuple(
@@ -49,6 +50,9 @@ MATMUL_TARGETS = {
 BLOCKED_MATMUL_TARGETS = {
     jnp.dtype(jnp.float32): ("paxkv_cpu_blocked_matmul_f32", "PaxkvCpuBlockedMatmulF32"),
     jnp.dtype(jnp.bfloat16): ("paxkv_cpu_blocked_matmul_bf16", "PaxkvCpuBlockedMatmulBF16"),
+}
+AMX_MATMUL_TARGETS = {
+    jnp.dtype(jnp.bfloat16): ("paxkv_cpu_amx_matmul_bf16", "PaxkvCpuAmxMatmulBF16"),
 }
 
 
@@ -116,6 +120,8 @@ def _build(compiler: str) -> str:
 # XLA's handler registry is per process and refuses a second handler under a name, so the first library that
 # loads serves the process (every build of one source is the same kernel).
 _registered_library: list[str] = []
+# Whether the registered library has the AMX matmul and the OS granted this process AMX's tile state.
+_amx_granted: list[bool] = []
 
 
 @functools.cache
@@ -129,10 +135,16 @@ def load() -> str | None:
         path = _build(compiler)
         library = ctypes.cdll.LoadLibrary(path)
         if not _registered_library:
-            targets = (*ATTENTION_TARGETS.values(), *MATMUL_TARGETS.values(), *BLOCKED_MATMUL_TARGETS.values())
+            targets = (
+                *ATTENTION_TARGETS.values(),
+                *MATMUL_TARGETS.values(),
+                *BLOCKED_MATMUL_TARGETS.values(),
+                *AMX_MATMUL_TARGETS.values(),
+            )
             for target, symbol in targets:
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
             _registered_library.append(path)
+            _amx_granted.append(bool(library.PaxkvAmxAvailable()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         return f"building the native CPU kernels failed: {error}"
     return None
@@ -141,3 +153,9 @@ def load() -> str | None:
 def native_kernel_error() -> str | None:
     """Why the native kernels cannot run here (no compiler, a failed build), or None when they can."""
     return load()
+
+
+def amx_available() -> bool:
+    """Whether the native AMX matmul runs here: the library built with AMX (the CPU has amx_bf16) and the OS granted
+    this process the tile state."""
+    return load() is None and bool(_amx_granted) and _amx_granted[0]

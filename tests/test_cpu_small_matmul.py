@@ -9,7 +9,7 @@ from matmul_cases import exact_product, random_case
 from models.layers import project
 from pallas_kernels import MAX_NATIVE_ROWS, small_matmul_cpu, small_matmul_reference
 from pallas_kernels.cpu_blocked_matmul import blocked_matmul_reads
-from pallas_kernels.native_library import native_kernel_error
+from pallas_kernels.native_library import amx_available, native_kernel_error
 
 pytestmark = pytest.mark.skipif(native_kernel_error() is not None, reason=f"no native kernels: {native_kernel_error()}")
 
@@ -56,9 +56,9 @@ def test_what_the_kernel_does_not_take_is_refused_naming_the_fix():
 
 
 def _native_kernel_used(function, *args) -> str | None:
-    """Which native matmul (small or blocked) the function's program calls, or None."""
+    """Which native matmul (small, blocked or amx) the function's program calls, or None."""
     text = jax.jit(function).lower(*args).as_text()
-    used = [kernel for kernel in ("small", "blocked") if f"paxkv_cpu_{kernel}_matmul" in text]
+    used = [kernel for kernel in ("small", "blocked", "amx") if f"paxkv_cpu_{kernel}_matmul" in text]
     assert len(used) <= 1
     return used[0] if used else None
 
@@ -82,13 +82,16 @@ def test_project_takes_the_native_kernels_where_they_beat_xla_and_agrees_with_xl
     def blocked(rows, dtype):  # this machine's choice (test_cpu_blocked_matmul tests it on every kind of CPU)
         return "blocked" if blocked_matmul_reads(rows, dtype, spec.startswith("TD,VD")) else None
 
+    amx_here = "amx" if amx_available() else None  # test_cpu_amx_matmul tests its rules
+
     for dtype, rows, expect_native in [
         ("bfloat16", 1, "small"),
-        ("bfloat16", 8, "small"),
+        ("bfloat16", 7, "small"),
+        ("bfloat16", 8, amx_here or "small"),
         ("float32", 1, None),  # XLA reads f32 fastest at one row
         ("float32", 4, "small"),
         ("float32", 16, blocked(16, jnp.float32)),
-        ("bfloat16", 16, blocked(16, jnp.bfloat16)),
+        ("bfloat16", 16, amx_here or blocked(16, jnp.bfloat16)),
         ("float32", 64, blocked(64, jnp.float32)),
         ("float32", 128, None),  # XLA's f32 matmuls as fast from 64 rows on
         ("bfloat16", 128, blocked(128, jnp.bfloat16)),
