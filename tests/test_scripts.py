@@ -66,6 +66,20 @@ def test_profile_step_splits_a_decode_step(tiny_model, tmp_path):
     assert (tmp_path / "profile.md").read_text() in run.stdout
 
 
+def test_profile_step_splits_a_prefill_step(tiny_model, tmp_path):
+    out = tmp_path / "profile"
+    run = _script(
+        "profile_step.py", f"--model={tiny_model}", "--batch=2", "--prompt_len=8", "--prefill", f"--out={out}"
+    )
+    result = json.loads((tmp_path / "profile.json").read_text())
+    assert result["prefill"] and result["tokens_per_step"] == 16  # both prompts whole, in one step
+    split = result["device_split_ms"]
+    parts = ("attention", "kv_write", "mlp", "projections_rope_norms", "embedding_lm_head_sampling")
+    assert sum(split[f"{part}_ms"] for part in parts) == pytest.approx(split["device_step_ms"])
+    assert split["device_step_ms"] > 0 and "16 tokens" in (tmp_path / "profile.md").read_text()
+    assert (tmp_path / "profile.md").read_text() in run.stdout
+
+
 def test_convert_checkpoint_round_trips_and_refuses_a_used_folder(tiny_model_with_tokenizer, tmp_path):
     out = tmp_path / "orbax"
     run = _script("convert_checkpoint.py", f"--source={tiny_model_with_tokenizer}", f"--output={out}")
