@@ -8,7 +8,8 @@ times --steps decode steps phase by phase (schedule, StepInputs + SamplingArrays
 is ready, the host bookkeeping after it). It then splits the same decode batch's device work into parts: the step's
 forward compiled whole and with attention, the KV write, the MLP and the attention block's other work removed one
 after another, all run in turn so that a noisy machine slows each alike (spread_ms gives the noise), plus the
-lm_head and the sampler alone. Writes <out>.json and <out>.md.
+lm_head and the sampler alone. With --prefill it splits the first prefill step instead (every prompt's first chunk,
+up to 2048 tokens) and times no decode steps. Writes <out>.json and <out>.md.
 """
 
 import json
