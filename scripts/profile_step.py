@@ -274,25 +274,10 @@ def main(argv):
         "phases_ms": phases,
         "device_split_ms": split,
     }
-    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-    with open(FLAGS.out + ".json", "w") as f:
-        json.dump(result, f, indent=2)
-    lines = [
-        f"# One decode step, batch {batch}, context ~{FLAGS.prompt_len}, {FLAGS.dtype} weights (median ms)"
-        + (
-            f", up to {FLAGS.num_drafts} drafts a sequence ({result['tokens_per_step']} tokens)"
-            if FLAGS.num_drafts
-            else ""
-        ),
-        "",
-        "| phase | ms |",
-        "|---|---|",
-        *[f"| {name} | {value:.2f} |" for name, value in phases.items()],
-        *[f"| {name} | {value:.2f} |" for name, value in split.items()],
-    ]
-    with open(FLAGS.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    title = f"# One decode step, batch {batch}, context ~{FLAGS.prompt_len}, {FLAGS.dtype} weights (median ms)"
+    if FLAGS.num_drafts:
+        title += f", up to {FLAGS.num_drafts} drafts a sequence ({result['tokens_per_step']} tokens)"
+    _write_report(result, title, "phase", {**phases, **split})
 
 
 def _report_prefill(engine, loaded) -> None:
@@ -304,16 +289,23 @@ def _report_prefill(engine, loaded) -> None:
     result = {"batch": FLAGS.batch, "prompt_len": FLAGS.prompt_len, "dtype": FLAGS.dtype, "prefill": True}
     result.update(backend=jax.default_backend(), cpu_count=os.cpu_count(), tokens_per_step=tokens)
     result["device_split_ms"] = split
+    title = (
+        f"# One prefill step of {tokens} tokens ({FLAGS.batch} prompts of {FLAGS.prompt_len}), {FLAGS.dtype} weights"
+    )
+    _write_report(result, title + " (median ms)", "part", split)
+
+
+def _write_report(result: dict, title: str, heading: str, rows: dict) -> None:
+    """Write result to <out>.json and the rows as a markdown table under the title to <out>.md, and print that."""
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out + ".json", "w") as f:
         json.dump(result, f, indent=2)
     lines = [
-        f"# One prefill step of {tokens} tokens ({FLAGS.batch} prompts of {FLAGS.prompt_len}), {FLAGS.dtype} weights"
-        " (median ms)",
+        title,
         "",
-        "| part | ms |",
+        f"| {heading} | ms |",
         "|---|---|",
-        *[f"| {name} | {value:.2f} |" for name, value in split.items()],
+        *[f"| {name} | {value:.2f} |" for name, value in rows.items()],
     ]
     with open(FLAGS.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -21,9 +21,9 @@ emit plus as many as the engine has emitted so far: the work to come is taken to
 ski-rental rule: a long-lived engine learns every shape worth having, and one short call never pays for a compile
 it cannot win back, which still takes CPU time from the steps while it runs).
 
-A cost is the least of its shape's latest samples, but a shape that one slow sample makes dear would never run
-again to correct it: a compiled choice measured fewer than EXPLORE_SAMPLES times is retried while it could be the
-best at the least cost its smaller measured shapes allow (EXPLORE_SAMPLES, EXPLORE_FLOOR).
+A cost is the least of its shape's latest samples, but a shape that samples taken while a compile ran make dear
+would never run again to correct it: such a compiled choice is retried while it could be the best at the least cost
+its smaller measured shapes allow (EXPLORE_SAMPLES, EXPLORE_FLOOR).
 """
 
 import collections
@@ -41,11 +41,13 @@ PRIOR_ACCEPTANCE = 0.5
 COST_WINDOW = 8
 # What a compile is taken to cost before one is measured.
 DEFAULT_COMPILE_SECONDS = 1.0
-# A step shape measured fewer times than this (or only while a compile shared the CPU) may carry a slow spell's
-# time, and a choice it makes dear is then never run again to correct it (prompt lookup at batch 8 on copy drafted
-# nearly nothing where drafting always gained 21%). A compiled choice that could be the best, at no more than the
-# least cost its smaller measured shapes allow, is run again until it has this many samples, if it measured at
-# least EXPLORE_FLOOR of the best rate: a retry loses at most half a step's tokens, and a shape at most two retries.
+# A step shape measured only while a compile shared the CPU (which doubled a decode step's time on two cores) keeps
+# that dear time until it runs again uncontended, and a choice it makes dear would never run again (prompt lookup at
+# batch 8 on copy drafted nearly nothing where drafting always gained 21%). Such a compiled choice, if it could be
+# the best at no more than the least cost its smaller measured shapes allow, is run again (up to this many samples)
+# where it measured at least EXPLORE_FLOOR of the best rate: a retry loses at most half a step's tokens. Retrying
+# every shape measured fewer than three times, at a floor of 0.8 for uncontended ones, cost open prompts 3-4% (at
+# batch 32, 0.96x against 0.99x), so uncontended samples are trusted.
 EXPLORE_SAMPLES = 3
 EXPLORE_FLOOR = 0.5
 
@@ -252,8 +254,8 @@ class DraftBudget:
         tokens) / (step cost) over the token buckets it spans, among the counts whose step has a compiled program:
         a step never waits for a compile. The best choice whose programs are not compiled yet, if it would beat that
         and repay its compile (repays_compile), is handed to `compile_ahead`, for later steps. None until the step
-        without drafts has been measured (once anything has been). A compiled choice measured too few times to
-        trust may be run instead (_retry).
+        without drafts has been measured (once anything has been). A compiled choice measured only while a compile
+        ran may be run instead (_retry).
 
         Args:
           num_tokens: tokens the step runs before any drafts.
@@ -320,15 +322,15 @@ class DraftBudget:
         return best if retry is None else retry
 
     def _retry(self, options: list[tuple], num_tokens: int, best_rate: float | None) -> list[int] | None:
-        """The compiled choice to run again instead of the best (EXPLORE_SAMPLES): measured too few times, at no
-        less than EXPLORE_FLOOR of the best rate, and the best at the least cost it could have; the likeliest such
-        choice to win, or None."""
+        """The compiled choice to run again instead of the best (EXPLORE_SAMPLES): measured only while a compile ran,
+        fewer than EXPLORE_SAMPLES times, at no less than EXPLORE_FLOOR of the best rate, and the best at the least
+        cost it could have; the likeliest such choice to win, or None."""
         if best_rate is None:
             return None
         retries = []
         for counts, expected, cost, ready in options:
             program = _program(num_tokens + sum(counts), sum(counts))
-            if not ready or program not in self.program_seconds or expected / cost < EXPLORE_FLOOR * best_rate:
+            if not ready or ("program", program) not in self._contended or expected / cost < EXPLORE_FLOOR * best_rate:
                 continue
             if len(self._samples[("program", program)]) >= EXPLORE_SAMPLES:
                 continue
