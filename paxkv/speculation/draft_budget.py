@@ -46,8 +46,8 @@ DEFAULT_COMPILE_SECONDS = 1.0
 # batch 8 on copy drafted nearly nothing where drafting always gained 21%). Such a compiled choice, if it could be
 # the best at no more than the least cost its smaller measured shapes allow, is run again (up to this many samples)
 # where it measured at least EXPLORE_FLOOR of the best rate: a retry loses at most half a step's tokens. Retrying
-# every shape measured fewer than three times, at a floor of 0.8 for uncontended ones, cost open prompts 3-4% (at
-# batch 32, 0.96x against 0.99x), so uncontended samples are trusted.
+# every shape measured fewer than three times (at a floor of 0.5, or 0.8 for uncontended ones) cost open prompts
+# 3-5% (at batch 32, 0.94x and 0.96x against 0.99x), so uncontended samples are trusted.
 EXPLORE_SAMPLES = 3
 EXPLORE_FLOOR = 0.5
 
