@@ -13,7 +13,7 @@
 // - w[N, K] (the tied embedding as the lm_head): the weight's own rows are A tiles, loaded straight from memory,
 //   and x^T in pairs is B; C is out^T, transposed into out as it is stored.
 // Each output is one tile element's sum over K in increasing order, whatever the batch's other rows are (batch
-// invariance). Products are exact in f32 and sums are f32 (TDPBF16PS treats denormal inputs as zero).
+// invariance). Products are exact in f32 and sums are f32 (TDPBF16PS flushes denormal inputs and sums to zero).
 //
 // The OS hands AMX's tile state to a process only when asked (Linux's ARCH_REQ_XCOMP_PERM): PaxkvAmxAvailable asks,
 // once; every work item loads its tile configuration, since XLA's own kernels may use the tiles on the same threads.

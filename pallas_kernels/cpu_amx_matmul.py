@@ -10,7 +10,7 @@ lm_head in one program, ms, best of 5), XLA against the kernel: 8 rows 23.0 / 17
 small-row kernel is faster still (4 rows 14.1 against 16.1).
 
 Numerics are those of `models.layers.project`: activations rounded to bf16, exact products, f32 sums, each output
-summed over K in one order whatever the other rows are (AMX flushes denormal inputs to zero).
+summed over K in one order whatever the other rows are (AMX flushes denormal inputs and sums to zero).
 """
 
 import functools
