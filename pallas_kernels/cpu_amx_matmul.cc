@@ -42,7 +42,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 #include "cpu_native_matmul_shape.h"  // MatmulShapeOf
-#include "cpu_native_parallel.h"      // ParallelFor
+#include "cpu_native_parallel.h"      // ParallelFor, EvenItemSize
 
 #if defined(PAXKV_AMX)
 
@@ -186,14 +186,6 @@ void AnyBlock(int64_t rows, int64_t columns, Args... args) {
   Block<1, 1>(args...);
 }
 
-// Work items as a multiple of the thread count, each at most `most` of the `count` units of work (none empty).
-int64_t EvenItems(ffi::ThreadPool& pool, int64_t count, int64_t most) {
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t items = std::min(count, (count + threads * most - 1) / (threads * most) * threads);
-  const int64_t per_item = (count + items - 1) / items;
-  return (count + per_item - 1) / per_item;
-}
-
 // out[T, N] = x[T, K] @ w[K, N]: work items of a band of column blocks, packed kBandDepth weight rows at a time
 // (each row's run across the band read once) and multiplied into the band's sums for every 32 rows of x.
 void MatmulRowsByColumns(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* out, const MatmulShape& s) {
@@ -205,8 +197,8 @@ void MatmulRowsByColumns(ffi::ThreadPool& pool, const float* x, const uint16_t* 
   std::vector<float> scratch(t_pad == s.t_size ? 0 : t_pad * s.n_size);
   float* sums = t_pad == s.t_size ? out : scratch.data();
   const int64_t blocks = (s.n_size + kBlock - 1) / kBlock;
-  const int64_t items = EvenItems(pool, blocks, kBandBlocks);
-  const int64_t item_blocks = (blocks + items - 1) / items;
+  const int64_t item_blocks = EvenItemSize(pool, blocks, kBandBlocks);
+  const int64_t items = (blocks + item_blocks - 1) / item_blocks;
   const TileConfig config = FullTiles();
   auto item = [&](int64_t i) {
     _tile_loadconfig(&config);
@@ -239,8 +231,8 @@ void MatmulRowsByRows(ffi::ThreadPool& pool, const float* x, const uint16_t* w, 
   std::vector<uint32_t> pairs(s.k_size / 2 * t_pad);
   PackColumnPairs(x, s.t_size, s.k_size, t_pad, s.k_size, pairs.data());
   const int64_t blocks = (s.n_size + kBlock - 1) / kBlock;
-  const int64_t items = EvenItems(pool, blocks, kRowBlocks);
-  const int64_t item_blocks = (blocks + items - 1) / items;
+  const int64_t item_blocks = EvenItemSize(pool, blocks, kRowBlocks);
+  const int64_t items = (blocks + item_blocks - 1) / item_blocks;
   const TileConfig config = FullTiles();
   const __m512i column = _mm512_setr_epi32(0, 32, 64, 96, 128, 160, 192, 224, 256, 288, 320, 352, 384, 416, 448, 480);
   auto item = [&](int64_t i) {

@@ -179,13 +179,7 @@ void MatmulPanels(ffi::ThreadPool& pool, const float* x, const Panels<W, kContra
                   int64_t t_size) {
   const int64_t k_size = weights.k_size, n_size = weights.n_size;
   const int64_t panels = (n_size + kPanelWidth - 1) / kPanelWidth;
-  // Items of at most kItemPanels panels, as many as a multiple of the thread count where the panels allow, so
-  // that no thread is left with an extra item (SmolLM2's 576 columns: 18 panels of 32 as 6 items of 3, not 5 of
-  // up to 4, which split 3 : 2 over two threads).
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t fewest_items = (panels + kItemPanels - 1) / kItemPanels;
-  const int64_t even_items = std::min(panels, (fewest_items + threads - 1) / threads * threads);
-  const int64_t item_panels = (panels + even_items - 1) / even_items;
+  const int64_t item_panels = EvenItemSize(pool, panels, kItemPanels);  // no thread left with an extra item
   const int64_t items = (panels + item_panels - 1) / item_panels;
   const int64_t tiles_per_panel = (t_size + kRowBlock - 1) / kRowBlock;
   auto item = [&](int64_t i) {

@@ -55,4 +55,14 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t count, F& fn) {
   state->all_finished.wait(lock, [&] { return state->finished.load() == state->count; });
 }
 
+// How many of `count` units of work each item takes so that the items are a multiple of the thread count where the
+// units allow, each at most `most` units (SmolLM2's 576 columns as 18 panels of 32: 6 items of 3, not 5 of up to 4,
+// which split 3 : 2 over two threads).
+inline int64_t EvenItemSize(ffi::ThreadPool& pool, int64_t count, int64_t most) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t fewest_items = (count + most - 1) / most;
+  const int64_t even_items = std::max<int64_t>(1, std::min(count, (fewest_items + threads - 1) / threads * threads));
+  return (count + even_items - 1) / even_items;
+}
+
 #endif  // PAXKV_CPU_NATIVE_PARALLEL_H_
