@@ -104,9 +104,9 @@ void PackRows(const float* x, int64_t t_size, int64_t k_size, int64_t t_pad, int
   }
 }
 
-// x^T in pairs for B tiles: pairs[r, t] holds x[t, 2r] (low half) and x[t, 2r + 1], for r < K_pad / 2, t < T_pad.
-void PackColumnPairs(const float* x, int64_t t_size, int64_t k_size, int64_t t_pad, int64_t k_pad, uint32_t* pairs) {
-  std::memset(pairs, 0, (k_pad / 2) * t_pad * sizeof(uint32_t));
+// x^T in pairs for B tiles: pairs[r, t] holds x[t, 2r] (low half) and x[t, 2r + 1], for r < K / 2 (K even), t < T_pad.
+void PackColumnPairs(const float* x, int64_t t_size, int64_t k_size, int64_t t_pad, uint32_t* pairs) {
+  std::memset(pairs, 0, (k_size / 2) * t_pad * sizeof(uint32_t));
   for (int64_t t = 0; t < t_size; ++t) {
     const uint32_t* from = reinterpret_cast<const uint32_t*>(x + t * k_size);
     for (int64_t k = 0; k < k_size; ++k) {
@@ -229,7 +229,7 @@ void MatmulRowsByColumns(ffi::ThreadPool& pool, const float* x, const uint16_t* 
 void MatmulRowsByRows(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* out, const MatmulShape& s) {
   const int64_t t_pad = (s.t_size + kTile - 1) / kTile * kTile;
   std::vector<uint32_t> pairs(s.k_size / 2 * t_pad);
-  PackColumnPairs(x, s.t_size, s.k_size, t_pad, s.k_size, pairs.data());
+  PackColumnPairs(x, s.t_size, s.k_size, t_pad, pairs.data());
   const int64_t blocks = (s.n_size + kBlock - 1) / kBlock;
   const int64_t item_blocks = EvenItemSize(pool, blocks, kRowBlocks);
   const int64_t items = (blocks + item_blocks - 1) / item_blocks;

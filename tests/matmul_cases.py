@@ -20,3 +20,22 @@ def exact_product(x, weight, contraction_last):
     wide = wide.T if contraction_last else wide
     bound = x.shape[1] * np.finfo(np.float32).eps * (np.abs(rounded) @ np.abs(wide))
     return rounded @ wide, bound
+
+
+def check_within_summation_error(
+    matmul, reference, shapes, row_counts, dtype, contraction_last, seed_stride, takes=lambda depth, columns: True
+):
+    """Every (shape, row count) the kernel `takes`: matmul's product has the right shape and lies within
+    exact_product's f32 bound, as does the jnp reference (the contract they share). The case of shape i and r rows
+    is seeded i * seed_stride + r."""
+    for index, (depth, columns) in enumerate(shapes):
+        if not takes(depth, columns):
+            continue
+        for rows in row_counts:
+            x, weight = random_case(index * seed_stride + rows, rows, depth, columns, dtype, contraction_last)
+            out = np.asarray(matmul(x, weight, contraction_last=contraction_last))
+            exact, bound = exact_product(x, weight, contraction_last)
+            assert out.shape == (rows, columns)
+            assert np.all(np.abs(out - exact) <= bound), (depth, columns, rows)
+        expected = np.asarray(reference(x, weight, contraction_last=contraction_last))
+        assert np.all(np.abs(expected - exact) <= bound)

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from matmul_cases import exact_product, random_case
+from matmul_cases import check_within_summation_error, random_case
 
 from models.layers import project
 from pallas_kernels import MAX_AMX_ROWS, MIN_AMX_ROWS, amx_matmul_cpu, amx_matmul_reads, small_matmul_reference
@@ -26,17 +26,17 @@ ROWS = [1, 15, 16, 33, 48, 64, 100]
 @needs_amx
 @pytest.mark.parametrize("contraction_last", [False, True], ids=["KN", "NK"])
 def test_every_row_count_and_shape_is_within_f32_summation_error_of_the_exact_product(contraction_last):
-    for index, (depth, columns) in enumerate(SHAPES):
-        if contraction_last and depth % 32:
-            continue  # an [N, K] weight's rows load as whole tiles: the kernel refuses these (tested below)
-        for rows in ROWS:
-            x, weight = random_case(index * 1000 + rows, rows, depth, columns, "bfloat16", contraction_last)
-            out = np.asarray(amx_matmul_cpu(x, weight, contraction_last=contraction_last))
-            exact, bound = exact_product(x, weight, contraction_last)
-            assert out.shape == (rows, columns)
-            assert np.all(np.abs(out - exact) <= bound), (depth, columns, rows)
-        reference = np.asarray(small_matmul_reference(x, weight, contraction_last=contraction_last))
-        assert np.all(np.abs(reference - exact) <= bound)  # the shared jnp reference states the same contract
+    check_within_summation_error(
+        amx_matmul_cpu,
+        small_matmul_reference,
+        SHAPES,
+        ROWS,
+        "bfloat16",
+        contraction_last,
+        seed_stride=1000,
+        # An [N, K] weight's rows load as whole tiles: the kernel refuses other depths (tested below).
+        takes=lambda depth, columns: not contraction_last or depth % 32 == 0,
+    )
 
 
 @needs_amx

@@ -6,7 +6,7 @@ import platform
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from matmul_cases import exact_product, random_case
+from matmul_cases import check_within_summation_error, random_case
 
 from pallas_kernels import (
     MIN_BLOCKED_ROWS,
@@ -29,15 +29,9 @@ ROWS = [1, 5, 9, 13, 32, 64, 130]
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("contraction_last", [False, True], ids=["KN", "NK"])
 def test_every_row_count_and_shape_is_within_f32_summation_error_of_the_exact_product(dtype, contraction_last):
-    for index, (depth, columns) in enumerate(SHAPES):
-        for rows in ROWS:
-            x, weight = random_case(index * 1000 + rows, rows, depth, columns, dtype, contraction_last)
-            out = np.asarray(blocked_matmul_cpu(x, weight, contraction_last=contraction_last))
-            exact, bound = exact_product(x, weight, contraction_last)
-            assert out.shape == (rows, columns)
-            assert np.all(np.abs(out - exact) <= bound), (depth, columns, rows)
-        reference = np.asarray(small_matmul_reference(x, weight, contraction_last=contraction_last))
-        assert np.all(np.abs(reference - exact) <= bound)  # the shared jnp reference states the same contract
+    check_within_summation_error(
+        blocked_matmul_cpu, small_matmul_reference, SHAPES, ROWS, dtype, contraction_last, seed_stride=1000
+    )
 
 
 @pytest.mark.parametrize("contraction_last", [False, True], ids=["KN", "NK"])

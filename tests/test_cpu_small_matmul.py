@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from matmul_cases import exact_product, random_case
+from matmul_cases import check_within_summation_error, random_case
 
 from models.layers import project
 from pallas_kernels import MAX_NATIVE_ROWS, small_matmul_cpu, small_matmul_reference
@@ -20,15 +20,9 @@ SHAPES = [(576, 192), (1536, 576), (37, 100), (16, 17), (3, 5), (64, 200)]
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("contraction_last", [False, True], ids=["KN", "NK"])
 def test_every_row_count_and_shape_is_within_f32_summation_error_of_the_exact_product(dtype, contraction_last):
-    for index, (depth, columns) in enumerate(SHAPES):
-        for rows in (1, 3, MAX_NATIVE_ROWS):  # one row, a ragged tile (4-row groups plus rest), every row
-            x, weight = random_case(index * 10 + rows, rows, depth, columns, dtype, contraction_last)
-            out = np.asarray(small_matmul_cpu(x, weight, contraction_last=contraction_last))
-            exact, bound = exact_product(x, weight, contraction_last)
-            assert out.shape == (rows, columns)
-            assert np.all(np.abs(out - exact) <= bound), (depth, columns, rows)
-        reference = np.asarray(small_matmul_reference(x, weight, contraction_last=contraction_last))
-        assert np.all(np.abs(reference - exact) <= bound)  # the jnp reference states the same contract
+    # one row, a ragged tile (4-row groups plus rest), every row
+    rows = (1, 3, MAX_NATIVE_ROWS)
+    check_within_summation_error(small_matmul_cpu, small_matmul_reference, SHAPES, rows, dtype, contraction_last, 10)
 
 
 @pytest.mark.parametrize("contraction_last", [False, True], ids=["KN", "NK"])
