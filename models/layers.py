@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
+from models.packed_weights import PanelWeight, as_matrix
 from models.rope import rotate
 from models.sharding import attention_on_mesh
 from pallas_kernels import (
@@ -14,6 +15,7 @@ from pallas_kernels import (
     blocked_matmul_cpu,
     blocked_matmul_reads,
     native_matmul_reads,
+    panel_matmul_cpu,
     small_matmul_cpu,
 )
 
@@ -21,7 +23,7 @@ from pallas_kernels import (
 #   T tokens, D hidden size, N query heads, K kv heads, H head_dim, F mlp width.
 
 
-def project(spec: str, x: jax.Array, weight: jax.Array, *, native: bool = False) -> jax.Array:
+def project(spec: str, x: jax.Array, weight: jax.Array | PanelWeight, *, native: bool = False) -> jax.Array:
     """einsum(spec, x, weight) with the weight read in its storage dtype, never widened into a copy.
 
     Same dtypes (f32 on CPU, bf16 on TPU and GPU) multiply as they are. Narrower weights (bf16 under f32
@@ -38,11 +40,17 @@ def project(spec: str, x: jax.Array, weight: jax.Array, *, native: bool = False)
     may be partitioned over a mesh axis here.
 
     Args:
+    A PanelWeight (an f32 weight laid out for the native CPU matmul, models.packed_weights) goes to the panel
+    kernel at every row count; where the native kernels may not run, XLA multiplies the unpacked matrix.
+
+    Args:
       spec: the einsum, x's letters first (its first axis is the tokens).
       x: activations [T, ...] in the compute dtype.
-      weight: a parameter's value in its storage dtype.
+      weight: a parameter's value in its storage dtype, or a PanelWeight.
       native: whether the native CPU kernels may run (models.load resolved attention_impl to cpu_native).
     """
+    if isinstance(weight, PanelWeight):
+        return _project_panels(spec, x, weight, native)
     out = _native_project(spec, x, weight) if native else None
     if out is not None:
         return out
@@ -54,6 +62,25 @@ def project(spec: str, x: jax.Array, weight: jax.Array, *, native: bool = False)
         narrow = jnp.concatenate([narrow, jnp.zeros_like(narrow)])
     out = jnp.einsum(spec, narrow, weight, preferred_element_type=jnp.float32)
     return out[:rows].astype(x.dtype)
+
+
+def _project_panels(spec: str, x: jax.Array, weight: PanelWeight, native: bool) -> jax.Array:
+    """project() of a PanelWeight: x[T, K] times the weight's [K, N] matrix, shaped [T, *the weight's output axes]."""
+    if _native_layout(spec) != "KN" or x.ndim != 2:
+        raise ValueError(f"a PanelWeight multiplies x[T, K] by its leading axes; {spec!r} does not")
+    rows = x.shape[0]
+    if native and x.dtype == jnp.float32 and _unpartitioned_here():
+        out = panel_matmul_cpu(x, weight.panels, weight.columns)
+    else:
+        out = jnp.dot(x, weight.matrix().astype(x.dtype))
+    return out.reshape(rows, *weight.output_shape)
+
+
+def _unpartitioned_here() -> bool:
+    """No automatic mesh axis over more than one device (a weight could be split there; shard_map'd steps are
+    manual)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not any(mesh.shape[axis] > 1 for axis in mesh.axis_names if axis not in mesh.manual_axes)
 
 
 def _native_layout(spec: str) -> str | None:
@@ -78,10 +105,7 @@ def _native_matmul(spec: str, x: jax.Array, weight: jax.Array):
     rows = x.shape[0]
     fewest = 1 if weight.dtype == jnp.bfloat16 else 2
     layout = _native_layout(spec)
-    if layout is None or x.dtype != jnp.float32 or rows < fewest:
-        return None
-    mesh = jax.sharding.get_abstract_mesh()
-    if any(mesh.shape[axis] > 1 for axis in mesh.axis_names if axis not in mesh.manual_axes):
+    if layout is None or x.dtype != jnp.float32 or rows < fewest or not _unpartitioned_here():
         return None
     depth = x.shape[1]
     columns = weight.shape[0] if layout == "NK" else weight.size // depth
@@ -204,7 +228,7 @@ class PagedAttention(nnx.Module):
         num_tokens, num_heads, head_dim = out.shape
         # As [T, N * H] @ [N * H, D]: one plain matmul over the weight's own layout (the 3-index einsum let XLA
         # pick a transposed copy of the weight, made again every step).
-        o_proj = self.o_proj[...].reshape(num_heads * head_dim, -1)
+        o_proj = as_matrix(self.o_proj[...], contracted=2)
         out = project("TI,ID->TD", out.reshape(num_tokens, num_heads * head_dim), o_proj, native=native)
         if self.o_bias is not None:
             out = out + self.o_bias[...].astype(dtype)

@@ -10,6 +10,7 @@ from models.config import ModelConfig
 from models.errors import CheckpointError
 from models.generation_config import GenerationConfig
 from models.loaded_model import LoadedModel, abstract_model, check_tokenizer_file
+from models.packed_weights import unpacked_state
 from models.sharding import restore_target, state_shardings
 from models.tokenizer import Tokenizer
 
@@ -33,7 +34,7 @@ def save_orbax(loaded, directory: str) -> None:
         raise FileExistsError(f"{params_dir} already exists; choose an empty output folder")
     import orbax.checkpoint as ocp  # here, not at import: it costs every run 0.4 s, and few load orbax
 
-    params = nnx.to_pure_dict(loaded.state)
+    params = nnx.to_pure_dict(unpacked_state(loaded.state))  # checkpoints hold weights in their own shapes
     # Chunks of at most CHUNK_BYTES, so a restore onto a mesh reads only the chunks its own shards cover
     # (one chunk per array would make every host read, and hold, whole arrays).
     save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), params)

@@ -2,6 +2,14 @@
 
 from pallas_kernels.cpu_amx_matmul import MAX_AMX_ROWS, MIN_AMX_ROWS, amx_matmul_cpu, amx_matmul_reads
 from pallas_kernels.cpu_blocked_matmul import MIN_BLOCKED_ROWS, blocked_matmul_cpu, blocked_matmul_reads
+from pallas_kernels.cpu_panel_matmul import (
+    PANEL_WIDTH,
+    pack_panels,
+    panel_layout_pays,
+    panel_matmul_cpu,
+    panel_matmul_reference,
+    unpack_panels,
+)
 from pallas_kernels.cpu_small_matmul import (
     MAX_NATIVE_ROWS,
     native_matmul_reads,
@@ -44,6 +52,7 @@ __all__ = [
     "MAX_NATIVE_ROWS",
     "MIN_AMX_ROWS",
     "MIN_BLOCKED_ROWS",
+    "PANEL_WIDTH",
     "QuantizedKVPages",
     "RESOLVED_IMPLS",
     "allocate_pages",
@@ -55,6 +64,10 @@ __all__ = [
     "heads_split",
     "is_quantized",
     "native_matmul_reads",
+    "pack_panels",
+    "panel_layout_pays",
+    "panel_matmul_cpu",
+    "panel_matmul_reference",
     "num_kv_heads_of",
     "page_bytes",
     "page_view",
@@ -69,6 +82,7 @@ __all__ = [
     "rotation_matrix",
     "small_matmul_cpu",
     "small_matmul_reference",
+    "unpack_panels",
     "resolve_attention_impl",
     "write_kv",
 ]

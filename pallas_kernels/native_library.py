@@ -23,7 +23,13 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # One library from every kernel's source (one compile, one load).
 SOURCES = tuple(
     os.path.join(_HERE, name)
-    for name in ("cpu_paged_attention.cc", "cpu_small_matmul.cc", "cpu_blocked_matmul.cc", "cpu_amx_matmul.cc")
+    for name in (
+        "cpu_paged_attention.cc",
+        "cpu_small_matmul.cc",
+        "cpu_blocked_matmul.cc",
+        "cpu_amx_matmul.cc",
+        "cpu_panel_matmul.cc",
+    )
 )
 # The headers they include from beside themselves: part of the library's cache key.
 HEADERS = tuple(
@@ -53,6 +59,9 @@ BLOCKED_MATMUL_TARGETS = {
 }
 AMX_MATMUL_TARGETS = {
     jnp.dtype(jnp.bfloat16): ("paxkv_cpu_amx_matmul_bf16", "PaxkvCpuAmxMatmulBF16"),
+}
+PANEL_MATMUL_TARGETS = {
+    jnp.dtype(jnp.float32): ("paxkv_cpu_panel_matmul_f32", "PaxkvCpuPanelMatmulF32"),
 }
 
 
@@ -140,6 +149,7 @@ def load() -> str | None:
                 *MATMUL_TARGETS.values(),
                 *BLOCKED_MATMUL_TARGETS.values(),
                 *AMX_MATMUL_TARGETS.values(),
+                *PANEL_MATMUL_TARGETS.values(),
             )
             for target, symbol in targets:
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")

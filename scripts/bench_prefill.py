@@ -49,6 +49,7 @@ def main(argv):
         hf_source = dict(pretrained_model_name_or_path=FLAGS.model)
 
     paxkv_load_s, loaded = _timed(lambda: models.load(FLAGS.model, require_tokenizer=False))
+    loaded.pack_for_native_matmul()  # as an engine runs it
     hf_load_s, hf_model = _timed(lambda: AutoModelForCausalLM.from_pretrained(**hf_source, dtype=torch.float32).eval())
     prompt = np.random.default_rng(0).integers(100, loaded.config.vocab_size, FLAGS.prompt_tokens)
     prompt_torch = torch.tensor(prompt)[None]

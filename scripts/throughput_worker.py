@@ -79,6 +79,13 @@ class _PaxkvRunner:
 
         from paxkv import LLM, enable_compilation_cache
 
+        try:
+            from models.packed_weights import num_parameters
+        except ImportError:  # a --baseline checkout from before the panel layout: every leaf is a plain array
+
+            def num_parameters(state):
+                return sum(int(leaf.size) for leaf in jax.tree.leaves(state))
+
         enable_compilation_cache()
         engine_config = dict(
             max_num_seqs=spec["max_num_seqs"],
@@ -92,7 +99,7 @@ class _PaxkvRunner:
             **engine_config,
         )
         loaded = self.llm.loaded
-        self.params = sum(int(leaf.size) for leaf in jax.tree.leaves(loaded.state))  # a tied embedding is stored once
+        self.params = num_parameters(loaded.state)  # a tied embedding is stored once
         self.vocab_size = loaded.config.vocab_size
         self.kv_bytes_per_token = self.llm.engine.pool.bytes_per_token
         self.shape = {  # what the roofline shares need: a token's work is not 2 x params (see throughput_report)

@@ -10,6 +10,7 @@ import time
 import jax
 
 import models
+from models.packed_weights import num_parameters
 from paxkv.config import EngineConfig
 from paxkv.core.metrics import EngineMetrics
 from paxkv.core.output_processor import OutputProcessor
@@ -178,9 +179,7 @@ class Engine:
         """A draft model's catch-up cost per token before one is measured: the target's prefill rate, scaled by the
         two models' parameter counts."""
         if self._draft_size_ratio is None:
-            draft, target = (
-                sum(x.size for x in jax.tree.leaves(m.state)) for m in (self.runner.draft.draft, self.loaded)
-            )
+            draft, target = (num_parameters(m.state) for m in (self.runner.draft.draft, self.loaded))
             self._draft_size_ratio = draft / target
         return self._draft_size_ratio / self.preemption.prefill_tokens_per_s
 

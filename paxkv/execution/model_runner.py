@@ -128,6 +128,7 @@ class ModelRunner:
         draft: a speculative draft model, whose layers follow the target's in the pool, or None.
         """
         self.loaded, self.pool, self.preemption, self.config, self.mesh = loaded, pool, preemption, config, mesh
+        loaded.pack_for_native_matmul(mesh)  # f32 projections as the native CPU matmul's panels, where that pays
         self.pages_per_seq = pages_for(max_model_len, config.page_size)
         platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
         self.padding = StepPadding.for_platform(platform, config.min_padded_seqs, config.min_padded_tokens)
