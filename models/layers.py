@@ -66,8 +66,10 @@ def project(spec: str, x: jax.Array, weight: jax.Array | PanelWeight, *, native:
 
 def _project_panels(spec: str, x: jax.Array, weight: PanelWeight, native: bool) -> jax.Array:
     """project() of a PanelWeight: x[T, K] times the weight's [K, N] matrix, shaped [T, *the weight's output axes]."""
-    if _native_layout(spec) != "KN" or x.ndim != 2:
-        raise ValueError(f"a PanelWeight multiplies x[T, K] by its leading axes; {spec!r} does not")
+    if _native_layout(spec) != ("NK" if weight.transposed else "KN") or x.ndim != 2:
+        raise ValueError(
+            f"a PanelWeight multiplies x[T, K] by its leading axes (a transposed one by its last); {spec!r} does not"
+        )
     rows = x.shape[0]
     if native and x.dtype == jnp.float32 and _unpartitioned_here():
         out = panel_matmul_cpu(x, weight.panels, weight.columns)

@@ -6,6 +6,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import GatedMLP, PagedAttention, RMSNorm, init_param, project
+from models.packed_weights import embedding_rows
 from models.rope import rope_angles, rope_inverse_frequencies
 from pallas_kernels import AttentionMetadata
 
@@ -79,7 +80,7 @@ class Llama(nnx.Module):
         metadata: AttentionMetadata,
     ) -> tuple[jax.Array, list[jax.Array]]:  # ([T, D] final hidden states, kv_caches)
         """Run the ragged batch through every layer, writing its K/V into the pages."""
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.compute_dtype)  # [T, D]
+        x = embedding_rows(self.embed[...], tokens).astype(self.compute_dtype)  # [T, D]
         # The rotary angles once for every layer (their sines and cosines had been a tenth of the attention block's
         # time at 32 decode rows, evaluated per layer). inv_freq is a trace-time constant of the static config.
         config = self.config

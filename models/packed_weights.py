@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.cpu_panel_matmul import pack_panels, panel_layout_pays, unpack_panels
+from pallas_kernels.cpu_panel_matmul import PANEL_WIDTH, pack_panels, panel_layout_pays, unpack_panels
 
 # The projections a Llama-family model multiplies as x[T, K] @ weight, by parameter name: how many of the weight's
 # leading axes are K (o_proj's [N, H, D] contracts heads and head_dim together).
@@ -33,11 +33,13 @@ PROJECTION_CONTRACTED_AXES = {
 @dataclasses.dataclass(frozen=True)
 class PanelWeight:
     """A projection weight of `shape` stored as f32 column panels of its [K, N] matrix (K = the product of its first
-    `contracted` axes); models.layers.project multiplies it without unpacking on the native CPU path."""
+    `contracted` axes; with `transposed`, the weight is [N, K], a tied embedding whose rows are tokens' vectors);
+    models.layers.project multiplies it without unpacking on the native CPU path."""
 
     panels: jax.Array  # f32[ceil(N / 48), K, 48]
     shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     contracted: int = dataclasses.field(default=1, metadata=dict(static=True))
+    transposed: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def dtype(self):
@@ -46,13 +48,13 @@ class PanelWeight:
 
     @property
     def columns(self) -> int:
-        """N: the product of the weight's axes after the contracted ones."""
-        return math.prod(self.shape[self.contracted :])
+        """N: the product of the weight's axes after the contracted ones (a transposed weight's first axis)."""
+        return self.shape[0] if self.transposed else math.prod(self.shape[self.contracted :])
 
     @property
     def output_shape(self) -> tuple[int, ...]:
         """The axes a product with it gives each row (the weight's own shape after the contracted axes)."""
-        return self.shape[self.contracted :]
+        return (self.shape[0],) if self.transposed else self.shape[self.contracted :]
 
     def __getitem__(self, key):
         """`param[...]` (how modules read a parameter) gives the weight itself."""
@@ -66,7 +68,15 @@ class PanelWeight:
 
     def unpack(self) -> jax.Array:  # shape
         """The weight in its own shape."""
-        return self.matrix().reshape(self.shape)
+        return self.matrix().T if self.transposed else self.matrix().reshape(self.shape)
+
+
+def embedding_rows(embed, tokens: jax.Array) -> jax.Array:  # [T, D]
+    """Rows `tokens` of an embedding table stored as an array, or as the PanelWeight of a tied embedding (token t's
+    vector is column t % 48 of panel t // 48)."""
+    if isinstance(embed, PanelWeight):
+        return embed.panels[tokens // PANEL_WIDTH, :, tokens % PANEL_WIDTH]
+    return jnp.take(embed, tokens, axis=0)
 
 
 def as_matrix(weight, contracted: int):
@@ -82,18 +92,23 @@ def _pack(matrix: jax.Array) -> jax.Array:
 
 
 def pack_projections(state: nnx.State) -> nnx.State:
-    """`state` with every f32 projection weight (PROJECTION_CONTRACTED_AXES) as a PanelWeight, the rest as it was;
-    each packed array replaces its [K, N] one once nothing else holds that."""
-    flat = []
-    for path, variable in nnx.to_flat_state(state):
-        value = variable.get_value()
-        contracted = PROJECTION_CONTRACTED_AXES.get(str(path[-1]))
-        if contracted is not None and isinstance(value, jax.Array) and value.dtype == jnp.float32:
-            matrix = value.reshape(math.prod(value.shape[:contracted]), -1)
-            value = PanelWeight(_pack(matrix), tuple(value.shape), contracted)
-            variable = variable.replace(value)
-        flat.append((path, variable))
-    return nnx.from_flat_state(flat)
+    """`state` with every f32 projection weight (PROJECTION_CONTRACTED_AXES, and a tied embedding, which is the
+    lm_head too) as a PanelWeight, the rest as it was; each packed array replaces its own once nothing else holds
+    that."""
+    flat = list(nnx.to_flat_state(state))
+    tied = not any(str(path[-1]) == "lm_head" for path, _ in flat)
+    packed = []
+    for path, variable in flat:
+        value, name = variable.get_value(), str(path[-1])
+        if isinstance(value, jax.Array) and value.dtype == jnp.float32:
+            if name in PROJECTION_CONTRACTED_AXES:
+                contracted = PROJECTION_CONTRACTED_AXES[name]
+                matrix = value.reshape(math.prod(value.shape[:contracted]), -1)
+                variable = variable.replace(PanelWeight(_pack(matrix), tuple(value.shape), contracted))
+            elif name == "embed" and tied and value.ndim == 2:
+                variable = variable.replace(PanelWeight(_pack(value.T), tuple(value.shape), transposed=True))
+        packed.append((path, variable))
+    return nnx.from_flat_state(packed)
 
 
 def unpacked_state(state: nnx.State) -> nnx.State:

@@ -102,7 +102,9 @@ void RestTile(int64_t rows, const float* x, int64_t k_size, const float* panel, 
 }
 
 // out[T, P * kPanelWidth] = x[T, K] @ the panels, one work item per few consecutive panels (one contiguous run).
-// The first chunk of rows' tiles prefetch the memory that follows each block.
+// Few rows: panel by panel, all rows at once. More: kRowChunk rows at a time through every panel of the item (the
+// chunk of x stays in the second-level cache across the item's panels, as do the panels across chunks). The first
+// chunk's tiles prefetch the memory that follows each block.
 void MatmulPanels(ffi::ThreadPool& pool, const float* x, const float* panels, float* out, int64_t t_size,
                   int64_t k_size, int64_t num_panels) {
   const int64_t n_size = num_panels * kPanelWidth;
@@ -114,38 +116,39 @@ void MatmulPanels(ffi::ThreadPool& pool, const float* x, const float* panels, fl
   auto item = [&](int64_t i) {
     const int64_t p_begin = i * item_panels, p_end = std::min(num_panels, p_begin + item_panels);
     const char* item_end = reinterpret_cast<const char*>(panels + p_end * k_size * kPanelWidth);
-    for (int64_t p = p_begin; p < p_end; ++p) {
+    // Rows [t0, t0 + rows) of out's panel p.
+    auto multiply = [&](int64_t p, int64_t t0, int64_t rows) {
       const float* panel = panels + p * k_size * kPanelWidth;
-      for (int64_t t0 = 0; t0 < t_size; t0 += row_chunk) {
-        const int64_t rows = std::min(row_chunk, t_size - t0);
-        const int64_t row_tiles = (rows + kRowBlock - 1) / kRowBlock;
-        for (int64_t k0 = 0; k0 < k_size; k0 += depth_block) {
-          const int64_t depth = std::min(depth_block, k_size - k0);
-          // The block after the next one (of this panel, or the item's next panels): one block ahead, a decode row's
-          // reads waited on memory more often (1 row of 30 SmolLM2 MLPs, 16.0 against 15.0 ms for the small-row
-          // kernel; two ahead, even).
-          const char* next = reinterpret_cast<const char*>(panel + (k0 + depth + depth_block) * kPanelWidth);
-          const int64_t available = t0 == 0 ? std::max<int64_t>(0, (item_end - next) / kCacheLine) : 0;
-          const int64_t lines = std::min(available, depth_block * lines_per_row);
-          const int64_t steps = row_tiles * kTilesAcross * depth;
-          Prefetcher prefetch{next, 0, lines, (lines + steps - 1) / steps};
-          const bool first = k0 == 0;
-          for (int64_t across = 0; across < kTilesAcross; ++across) {
-            const float* tile_panel = panel + k0 * kPanelWidth + across * kTileWidth;
-            const float* tile_x = x + t0 * k_size + k0;
-            float* tile_out = out + t0 * n_size + p * kPanelWidth + across * kTileWidth;
-            int64_t t = 0;
-            for (; t + kRowBlock <= rows; t += kRowBlock) {
-              Tile<kRowBlock>(tile_x + t * k_size, k_size, tile_panel, depth, tile_out + t * n_size, n_size, first,
-                              prefetch);
-            }
-            if (t < rows) {
-              RestTile<kRowBlock - 1>(rows - t, tile_x + t * k_size, k_size, tile_panel, depth, tile_out + t * n_size,
-                                      n_size, first, prefetch);
-            }
+      const int64_t row_tiles = (rows + kRowBlock - 1) / kRowBlock;
+      for (int64_t k0 = 0; k0 < k_size; k0 += depth_block) {
+        const int64_t depth = std::min(depth_block, k_size - k0);
+        // The block after the next one (of this panel, or the item's next panels): one block ahead, a decode row's
+        // reads waited on memory more often (1 row of 30 SmolLM2 MLPs, 16.0 against 15.0 ms for the small-row
+        // kernel; two ahead, even).
+        const char* next = reinterpret_cast<const char*>(panel + (k0 + depth + depth_block) * kPanelWidth);
+        const int64_t available = t0 == 0 ? std::max<int64_t>(0, (item_end - next) / kCacheLine) : 0;
+        const int64_t lines = std::min(available, depth_block * lines_per_row);
+        const int64_t steps = row_tiles * kTilesAcross * depth;
+        Prefetcher prefetch{next, 0, lines, (lines + steps - 1) / steps};
+        const bool first = k0 == 0;
+        for (int64_t across = 0; across < kTilesAcross; ++across) {
+          const float* tile_panel = panel + k0 * kPanelWidth + across * kTileWidth;
+          const float* tile_x = x + t0 * k_size + k0;
+          float* tile_out = out + t0 * n_size + p * kPanelWidth + across * kTileWidth;
+          int64_t t = 0;
+          for (; t + kRowBlock <= rows; t += kRowBlock) {
+            Tile<kRowBlock>(tile_x + t * k_size, k_size, tile_panel, depth, tile_out + t * n_size, n_size, first,
+                            prefetch);
+          }
+          if (t < rows) {
+            RestTile<kRowBlock - 1>(rows - t, tile_x + t * k_size, k_size, tile_panel, depth, tile_out + t * n_size,
+                                    n_size, first, prefetch);
           }
         }
       }
+    };
+    for (int64_t t0 = 0; t0 < t_size; t0 += row_chunk) {
+      for (int64_t p = p_begin; p < p_end; ++p) multiply(p, t0, std::min(row_chunk, t_size - t0));
     }
   };
   ParallelFor(pool, items, item);

@@ -105,21 +105,28 @@ def test_project_multiplies_a_panel_weight_as_the_array_it_packed(native):
 
 
 @needs_native
-def test_a_model_packed_for_the_native_matmul_scores_and_generates_as_unpacked(engine_llama_checkpoint):
-    """The tiny Llama (its 64 and 128 columns padded to whole panels, its own lm_head) with every projection as
-    panels: the same greedy tokens and logits within f32 rounding of the same weights unpacked; unpacking gives the
-    original arrays back bit for bit; the weights count the same."""
-    loaded = models.load(engine_llama_checkpoint, attention_impl="cpu_native", require_tokenizer=False)
+@pytest.mark.parametrize("tied", [False, True], ids=["own_lm_head", "tied_embedding"])
+def test_a_model_packed_for_the_native_matmul_scores_and_generates_as_unpacked(tiny_llama_checkpoint, tied):
+    """The tiny Llama (its 64 and 128 columns padded to whole panels) with every projection as panels, and its lm_head:
+    its own, or the tied embedding's transpose, whose panels the token lookup reads too. The same greedy tokens, and
+    logits within f32 rounding, as the same weights unpacked; unpacking gives the original arrays back bit for bit;
+    the weights count the same."""
+    checkpoint = tiny_llama_checkpoint(max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=tied)
+    loaded = models.load(checkpoint, attention_impl="cpu_native", require_tokenizer=False)
     state = loaded.state
-    ids = [5, 17, 99, 3, 42, 7]
+    ids = [5, 17, 99, 3, 42, 7, 255, 0]  # the first and last tokens of the vocabulary too
     logits = loaded.score(ids)
     tokens = loaded.greedy_generate(ids, 8, stop_at_eos=False)
     assert loaded.pack_for_native_matmul() == panels_pay_here(True, None)
     packed = models.LoadedModel(**{**loaded.__dict__, "state": pack_projections(state)})
     flat = dict(nnx.to_flat_state(packed.state))
-    gate, lm_head = (flat[path].get_value() for path in [("layers", 0, "mlp", "gate"), ("lm_head",)])
-    assert isinstance(gate, PanelWeight) and isinstance(lm_head, PanelWeight)
-    assert isinstance(flat[("embed",)].get_value(), jax.Array)  # a lookup table, not a projection
+    gate, embed = (flat[path].get_value() for path in [("layers", 0, "mlp", "gate"), ("embed",)])
+    assert isinstance(gate, PanelWeight) and gate.shape == (64, 128) and not gate.transposed
+    if tied:
+        assert isinstance(embed, PanelWeight) and embed.transposed and embed.shape == (256, 64)
+    else:
+        assert isinstance(flat[("lm_head",)].get_value(), PanelWeight)
+        assert isinstance(embed, jax.Array)  # only a lookup table: stays as it is
     np.testing.assert_allclose(packed.score(ids), logits, rtol=0, atol=1e-4)
     assert packed.greedy_generate(ids, 8, stop_at_eos=False) == tokens
     assert num_parameters(packed.state) == num_parameters(state)
