@@ -12,7 +12,7 @@ from models.config import ModelConfig
 from models.errors import CheckpointError
 from models.generation_config import GenerationConfig
 from models.llama import Llama
-from models.packed_weights import pack_projections, panels_pay_here
+from models.packed_weights import pack_projections_in_place, panels_pay_here
 from models.paged_forward import PagedSequence, greedy_generate
 from models.sharding import state_shardings
 from models.tokenizer import Tokenizer
@@ -37,16 +37,17 @@ class LoadedModel:
         return nnx.merge(self.graphdef, self.state)
 
     def pack_for_native_matmul(self, mesh: jax.sharding.Mesh | None = None) -> bool:
-        """Store the f32 projection weights as the native CPU matmul's panels, in place of their [K, N] arrays, where
-        that pays (models.packed_weights.panels_pay_here); whether they are stored so now. An engine does this
-        when it starts; models.packed_weights.unpacked_state gives the plain arrays back.
+        """Store the f32 projection weights as the native CPU matmul's panels, in place of their [K, N] arrays (the
+        state's variables are updated, one weight at a time), where that pays (models.packed_weights.panels_pay_here);
+        whether they are stored so now. An engine does this when it starts; models.packed_weights.unpacked_state
+        gives the plain arrays back.
 
         Args:
           mesh: the mesh the model will run on, or None for one device.
         """
         if not panels_pay_here(self.model.native_matmul, mesh if mesh is not None else self.mesh):
             return False
-        self.state = pack_projections(self.state)
+        pack_projections_in_place(self.state)
         return True
 
     def score(self, token_ids, *, page_size: int = 16) -> np.ndarray:  # f32[T, vocab]

@@ -3,10 +3,13 @@
 On CPU with the native kernels, an f32 projection weight is stored as pallas_kernels' column panels (one contiguous
 run per 48 output columns) instead of [K, N]: every product with it, from one decode row to a 2048-token prefill
 chunk, then runs through cpu_panel_matmul, whose reads of the weight overlap its arithmetic (pallas_kernels/
-cpu_panel_matmul.py has the measurements). The weight is packed in place of the [K, N] array, never beside it.
+cpu_panel_matmul.py has the measurements). The weight is packed in place of the [K, N] array, never beside it. A tied
+embedding [V, D] is stored as the panels of its transpose: the lm_head multiplies them, and a token's vector is read
+from them (column t % 48 of panel t // 48), so the table is not kept twice.
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -86,29 +89,44 @@ def as_matrix(weight, contracted: int):
     return weight.reshape(math.prod(weight.shape[:contracted]), -1)
 
 
-@jax.jit
-def _pack(matrix: jax.Array) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("contracted", "transposed"))
+def _pack(value: jax.Array, contracted: int, transposed: bool) -> jax.Array:
+    """pack_panels of value's [K, N] matrix (of its transpose's: a tied embedding), in one program: no intermediate
+    copy of the weight."""
+    matrix = value.T if transposed else value.reshape(math.prod(value.shape[:contracted]), -1)
     return pack_panels(matrix)
 
 
-def pack_projections(state: nnx.State) -> nnx.State:
-    """`state` with every f32 projection weight (PROJECTION_CONTRACTED_AXES, and a tied embedding, which is the
-    lm_head too) as a PanelWeight, the rest as it was; each packed array replaces its own once nothing else holds
-    that."""
-    flat = list(nnx.to_flat_state(state))
+def _packings(state: nnx.State):
+    """(variable, its PanelWeight) for each f32 projection weight of `state` (PROJECTION_CONTRACTED_AXES, and a tied
+    embedding, which is the lm_head too), each packed only when the caller asks for the next one."""
+    flat = nnx.to_flat_state(state)
     tied = not any(str(path[-1]) == "lm_head" for path, _ in flat)
-    packed = []
     for path, variable in flat:
         value, name = variable.get_value(), str(path[-1])
-        if isinstance(value, jax.Array) and value.dtype == jnp.float32:
-            if name in PROJECTION_CONTRACTED_AXES:
-                contracted = PROJECTION_CONTRACTED_AXES[name]
-                matrix = value.reshape(math.prod(value.shape[:contracted]), -1)
-                variable = variable.replace(PanelWeight(_pack(matrix), tuple(value.shape), contracted))
-            elif name == "embed" and tied and value.ndim == 2:
-                variable = variable.replace(PanelWeight(_pack(value.T), tuple(value.shape), transposed=True))
-        packed.append((path, variable))
-    return nnx.from_flat_state(packed)
+        if not isinstance(value, jax.Array) or value.dtype != jnp.float32:
+            continue
+        if name in PROJECTION_CONTRACTED_AXES:
+            contracted = PROJECTION_CONTRACTED_AXES[name]
+            yield variable, PanelWeight(_pack(value, contracted, False), tuple(value.shape), contracted)
+        elif name == "embed" and tied and value.ndim == 2:
+            yield variable, PanelWeight(_pack(value, 1, True), tuple(value.shape), transposed=True)
+
+
+def pack_projections(state: nnx.State) -> nnx.State:
+    """A new state whose f32 projection weights (and tied embedding) are PanelWeights, the rest as in `state`, which
+    keeps its arrays."""
+    replaced = {id(variable): variable.replace(panels) for variable, panels in _packings(state)}
+    return nnx.from_flat_state(
+        [(path, replaced.get(id(variable), variable)) for path, variable in nnx.to_flat_state(state)]
+    )
+
+
+def pack_projections_in_place(state: nnx.State) -> None:
+    """pack_projections, each variable of `state` given its PanelWeight in turn: a weight's [K, N] array is freed
+    before the next one is packed, where nothing else holds it (so packing costs one weight's memory, not a model's)."""
+    for variable, panels in _packings(state):
+        variable.set_value(panels)
 
 
 def unpacked_state(state: nnx.State) -> nnx.State:

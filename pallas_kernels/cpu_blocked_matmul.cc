@@ -41,6 +41,7 @@ namespace {
 #include "cpu_native_parallel.h"  // ParallelFor
 #include "cpu_native_matmul_shape.h"  // MatmulShapeOf
 #include "cpu_native_vectors.h"   // Vec (the machine's width), LoadValues, Splat
+#include "cpu_native_register_tile.h"  // AccumulateTile
 
 constexpr int64_t kRowBlock = 6;                         // x rows in a register tile
 constexpr int64_t kPanelVectors = 2;                     // output vectors per row in a tile
@@ -145,16 +146,7 @@ void PanelTile(const float* x, int64_t k_size, const float* panel, int64_t k0, i
     }
     for (int64_t v = 0; v < kPanelVectors; ++v) acc[r][v] = first ? Vec{} : LoadVec(from + v * kLanes);
   }
-  const float* xs = x + k0;
-  for (int64_t k = 0; k < depth; ++k) {
-    const float* packed = panel + k * kPanelWidth;
-    Vec weights[kPanelVectors];
-    for (int64_t v = 0; v < kPanelVectors; ++v) weights[v] = LoadVec(packed + v * kLanes);
-    for (int64_t r = 0; r < kRows; ++r) {
-      const Vec value = Splat(xs[r * k_size + k]);
-      for (int64_t v = 0; v < kPanelVectors; ++v) acc[r][v] += value * weights[v];
-    }
-  }
+  AccumulateTile(acc, x + k0, k_size, panel, kPanelWidth, depth, [] {});
   for (int64_t r = 0; r < kRows; ++r) {
     float* to = width < kPanelWidth ? staged[r] : out + r * n_size + n0;
     for (int64_t v = 0; v < kPanelVectors; ++v) StoreVec(to + v * kLanes, acc[r][v]);

@@ -36,6 +36,7 @@ namespace {
 
 #include "cpu_native_parallel.h"  // ParallelFor, EvenItemSize
 #include "cpu_native_vectors.h"   // Vec (the machine's width), Splat
+#include "cpu_native_register_tile.h"  // AccumulateTile
 
 constexpr int64_t kPanelWidth = 48;                          // the layout's columns per panel (cpu_panel_matmul.py)
 constexpr int64_t kTileVectors = 3;                          // output vectors per row in a tile
@@ -76,16 +77,7 @@ void Tile(const float* x, int64_t k_size, const float* panel, int64_t depth, flo
   for (int64_t r = 0; r < kRows; ++r) {
     for (int64_t v = 0; v < kTileVectors; ++v) acc[r][v] = first ? Vec{} : LoadVec(out + r * n_size + v * kLanes);
   }
-  for (int64_t k = 0; k < depth; ++k) {
-    prefetch.Step();
-    const float* row = panel + k * kPanelWidth;
-    Vec weights[kTileVectors];
-    for (int64_t v = 0; v < kTileVectors; ++v) weights[v] = LoadVec(row + v * kLanes);
-    for (int64_t r = 0; r < kRows; ++r) {
-      const Vec value = Splat(x[r * k_size + k]);
-      for (int64_t v = 0; v < kTileVectors; ++v) acc[r][v] += value * weights[v];
-    }
-  }
+  AccumulateTile(acc, x, k_size, panel, kPanelWidth, depth, [&prefetch] { prefetch.Step(); });
   for (int64_t r = 0; r < kRows; ++r) {
     for (int64_t v = 0; v < kTileVectors; ++v) StoreVec(out + r * n_size + v * kLanes, acc[r][v]);
   }

@@ -7,10 +7,11 @@ memory and multiplies straight from it, its reads overlapping its arithmetic, wh
 gathered a band of columns at a time (each row in another page) and packed before the multiply-adds can start.
 Measured on a 2-core Xeon with AVX-512 (30 SmolLM2 MLPs in one program, ms, best of 5), XLA on [K, N] against this
 kernel: 1 row 17.8 / 16.1 (the small-row kernel on [K, N]: 15.2), 8 rows 34.4 / 18.1, 16 rows 38.8 / 22.2 (the
-blocked kernel: 31.7), 32 rows 52.5 / 28.3 (43.3), 64 rows 62.0 / 50.3, 128 rows 99.0 / 87.7, 512 rows 336 / 323,
-2048 rows 1347 / 1328. So a weight stored as panels goes to this kernel at every row count; XLA multiplies the
-unpacked matrix only where the native kernels may not run (it folds the unpacking into the dot at 2048 rows, but
-materializes it at a few rows: 91 ms at one).
+blocked kernel: 31.7), 32 rows 52.5 / 28.3 (43.3), 64 rows 62.0 / 50.3, 128 rows 99.0 / 87.7; from 65 rows on, a
+chunk of rows runs through every panel of a work item (in a later run: 512 rows 339 / 317, 2048 rows 1358 / 1217).
+So a weight stored as panels goes to this kernel at every row count; XLA multiplies the unpacked matrix only where
+the native kernels may not run (it folds the unpacking into the dot at 2048 rows, but materializes it at a few rows:
+91 ms at one).
 
 Numerics: f32 products and sums, each output summed over K in one order whatever the other rows are.
 """

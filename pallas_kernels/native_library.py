@@ -37,6 +37,7 @@ HEADERS = tuple(
     for name in (
         "cpu_native_matmul_shape.h",
         "cpu_native_parallel.h",
+        "cpu_native_register_tile.h",
         "cpu_native_vectors.h",
         "cpu_paged_attention_lanes.h",
         "cpu_paged_attention_tiled.h",
