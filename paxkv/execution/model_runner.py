@@ -135,6 +135,7 @@ class ModelRunner:
         self.ahead = AheadCompiler(mesh)  # speculating steps' programs (a draft model's too), compiled before use
         self.draft = None
         if draft is not None:
+            draft.pack_for_native_matmul(mesh)  # a draft model runs the same matmuls at the same rows
             self.draft = DraftModelProposer(
                 draft,
                 config.speculative_config.num_speculative_tokens,
