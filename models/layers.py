@@ -39,7 +39,6 @@ def project(spec: str, x: jax.Array, weight: jax.Array | PanelWeight, *, native:
     at one row), and tens of rows to the blocked kernel where it beats XLA on this kind of CPU; never when the weight
     may be partitioned over a mesh axis here.
 
-    Args:
     A PanelWeight (an f32 weight laid out for the native CPU matmul, models.packed_weights) goes to the panel
     kernel at every row count; where the native kernels may not run, XLA multiplies the unpacked matrix.
 

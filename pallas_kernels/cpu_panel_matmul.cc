@@ -1,5 +1,5 @@
 // Activation rows times an f32 weight stored as column panels, as an XLA FFI custom call (pallas_kernels/
-// cpu_panel_matmul.py; models.packed_weights packs a model's projections once at load time).
+// cpu_panel_matmul.py; models.packed_weights packs a model's projections once, when an engine starts).
 //
 // A decode batch's f32 matmul at 8-64 rows is bound by arithmetic and by streaming its weights in about equal parts
 // on a 2-core Xeon (SmolLM2's 30 MLPs at 32 rows: 5.1 GFLOP against 428 GFLOP/s of multiply-adds, 318 MB against 24
