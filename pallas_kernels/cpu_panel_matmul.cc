@@ -54,7 +54,7 @@ constexpr int64_t kDeepBlock = 576;
 constexpr int64_t kCacheLine = 64;
 static_assert(kPanelWidth % kTileWidth == 0, "a panel is whole tiles wide");
 
-// Prefetches lines [first, last) of the run at `start` into the second-level cache, `per_step` of them with each
+// Prefetches lines [next, last) of the run at `start` into the second-level cache, `per_step` of them with each
 // call of Step (the tile's contraction steps carry them, so the reads spread over the block's arithmetic).
 struct Prefetcher {
   const char* start;
