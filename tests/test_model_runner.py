@@ -12,7 +12,7 @@ from paxkv.execution.aot import step_buckets
 from paxkv.execution.kv_pool import KVPool
 from paxkv.execution.model_runner import ModelRunner
 from paxkv.execution.step import num_step_compilations
-from paxkv.execution.step_inputs import StepPadding
+from paxkv.execution.step_inputs import NO_PADDING, StepPadding, padded_sizes, prefill_bucket
 from paxkv.scheduling.preemption import PreemptionPolicy
 from paxkv.scheduling.request import Request
 from paxkv.scheduling.sampling_params import SamplingParams
@@ -141,14 +141,44 @@ def test_warm_up_compiles_every_plain_bucket_so_steps_compile_nothing(tiny_llama
         EngineConfig(min_padded_tokens=0)
 
 
+def test_prefill_steps_pad_to_powers_of_two_and_the_half_steps_between():
+    """Prefill steps pad to 1.5 times a power of two from 96 tokens up, decode steps (drafts too) to powers of two;
+    each budget's largest prefill is its own size rounded up the same way."""
+    sizes = [prefill_bucket(n, 2048) for n in (1, 16, 17, 64, 65, 96, 97, 128, 129, 193, 257, 1537, 4000)]
+    assert sizes == [1, 16, 32, 64, 96, 96, 128, 128, 192, 256, 384, 2048, 2048]
+    assert (prefill_bucket(90, 90), prefill_bucket(300, 256), prefill_bucket(300, 300)) == (96, 256, 384)
+    assert padded_sizes(180, 2, True, 512, 8) == (192, 2)  # a prompt of 179 tokens beside a decode
+    assert padded_sizes(72, 8, False, 512, 8) == (128, 8)  # 8 decodes with 64 drafts
+    assert StepPadding().token_buckets(256) == [1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256]
+    assert StepPadding(min_tokens=80).token_buckets(300) == [96, 128, 192, 256, 384, 512]
+
+
+@pytest.mark.parametrize(
+    "budget, max_num_seqs, padding",
+    [(256, 32, NO_PADDING), (300, 8, NO_PADDING), (90, 16, StepPadding(min_seqs=4)), (512, 4, StepPadding(3, 80))],
+)
+def test_every_plain_step_pads_to_a_bucket_the_warm_up_compiles(budget, max_num_seqs, padding):
+    """Every decode (T = S) and prefill (T > S) step pads to a (T, S) that step_buckets lists, the warm-up compiles,
+    and whose T is among the token buckets that the scheduler fits steps to; and each listed pair is taken."""
+    buckets, sizes = set(step_buckets(budget, max_num_seqs, padding)), set(padding.token_buckets(budget))
+    taken = set()
+    for num_seqs in range(1, max_num_seqs + 1):
+        for num_tokens in range(num_seqs, budget + 1):
+            shape = padded_sizes(num_tokens, num_seqs, num_tokens > num_seqs, budget, max_num_seqs, padding)
+            assert shape in buckets and shape[0] in sizes, (num_tokens, num_seqs, shape)
+            taken.add(shape)
+    assert taken == buckets
+
+
 def test_a_token_floor_leaves_the_steps_above_it_untrimmed(engine_llama_checkpoint):
-    """The scheduler fits a step to the size below it only where the runner pads to that size: 300 prompt tokens run
-    as 256 + 44 without a token floor, and in one step with a floor of 512 (they pad to 512 either way)."""
+    """The scheduler fits a step to the size below it only where the runner pads to that size: 260 prompt tokens run
+    as 256 + 4 without a token floor (not padded to 384), and in one step with a floor of 512 (they pad to 512 either
+    way)."""
     loaded = models.load(engine_llama_checkpoint, require_tokenizer=False)
     for floor, steps in ((1, 3), (512, 2)):
         config = EngineConfig(num_pages=64, max_num_seqs=4, max_num_batched_tokens=512, min_padded_tokens=floor)
         engine = Engine(loaded, config)
-        prompt = [1 + i % 250 for i in range(300)]
+        prompt = [1 + i % 250 for i in range(260)]
         engine.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
         drain(engine)
         assert engine.metrics.num_steps == steps, floor  # the prompt in 2 steps or in 1, then one decode

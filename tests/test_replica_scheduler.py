@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paxkv.execution.step_inputs import power_of_two_buckets
+from paxkv.execution.step_inputs import StepPadding, power_of_two_buckets
 from paxkv.scheduling import step_fitting
 from paxkv.scheduling.page_allocator import PageAllocator
 from paxkv.scheduling.replica_scheduler import ReplicaScheduler
@@ -253,6 +253,26 @@ def test_a_step_just_past_a_step_size_is_trimmed_to_it():
     while scheduler.has_unfinished_requests():
         run_step(scheduler, model)
     assert (request.output_token_ids, request.finish_reason) == run_alone("p", 300, max_tokens=3, ignore_eos=True)
+
+
+def test_steps_fit_to_the_half_steps_only_where_a_whole_step_of_padding_is_saved():
+    """With the runner's sizes (powers of two and 1.5 times them from 96 up): 100 tokens run as one step of 128, not
+    96 + 4 (32 tokens of padding saved do not pay for a step of their own); 260 as 256 + 4 (128 saved); 300 as one
+    step of 384 (44 tokens past 256 are more than a quarter of the gap)."""
+    for num_tokens, steps in ((100, [100]), (260, [256, 4]), (300, [300])):
+        scheduler = make_scheduler(
+            num_pages=128,
+            page_size=16,
+            max_num_batched_tokens=512,
+            max_model_len=1024,
+            step_sizes=StepPadding().token_buckets(512),
+        )
+        scheduler.add_request(make_request("p", num_tokens, max_tokens=1))
+        model, sizes = FakeModel(), []
+        while scheduler.has_unfinished_requests():
+            batch, _ = run_step(scheduler, model)
+            sizes.append(batch.num_batched_tokens)
+        assert sizes == steps, num_tokens
 
 
 def test_the_newest_chunks_give_up_the_tokens_and_decodes_keep_theirs():

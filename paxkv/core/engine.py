@@ -98,7 +98,7 @@ class Engine:
         (and none) when it speculates, and a draft model's program per (T, S)."""
         config = self.config
         num_seq_buckets = num_buckets(config.max_num_seqs)
-        num_forwards = num_buckets(config.max_num_batched_tokens) * num_seq_buckets
+        num_forwards = len(self.runner.padding.token_buckets(config.max_num_batched_tokens)) * num_seq_buckets
         programs = num_forwards + num_seq_buckets * 16
         if config.speculative_config is not None:
             programs *= 1 + num_buckets(config.max_num_seqs * config.speculative_config.num_speculative_tokens)

@@ -18,7 +18,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import models
 from models.loaded_model import abstract_model
-from models.paged_forward import bucket
 from models.sharding import restore_target, state_shardings
 from pallas_kernels import pages_for
 from paxkv.execution.kv_pool import abstract_pool, kv_bytes_per_page, kv_storage_dtype
@@ -30,6 +29,7 @@ from paxkv.execution.step_inputs import (
     StepPadding,
     power_of_two_bucket,
     power_of_two_buckets,
+    prefill_bucket,
 )
 from paxkv.parallel.mesh import num_scale_groups
 
@@ -256,15 +256,22 @@ def _num_shards(sharding, shape) -> int:
 def step_buckets(
     max_num_batched_tokens: int, max_num_seqs: int, padding: StepPadding = NO_PADDING
 ) -> list[tuple[int, int]]:
-    """The (T, S) bucket pairs a step can take (as padded_batch_sizes pads): T a power of two up to the token budget
-    and at least the padding's tokens, S from the padding's rows up to the row budget and never above T (a row holds
-    at least one token), and T below MIN_PREFILL_TOKENS only for decodes (T = S, or the token floor above S)."""
+    """The (T, S) bucket pairs a step can take (as padded_batch_sizes pads): T one of the padding's token buckets
+    (at least its tokens), S from the padding's rows up to the row budget and never above T (a row holds at least one
+    token); decodes at T = S (or the token floor above S), prefills at T of at least MIN_PREFILL_TOKENS and at most
+    the budget's prefill size (prefill_bucket)."""
     token_buckets = padding.token_buckets(max_num_batched_tokens)
     smallest = power_of_two_bucket(padding.row_floor(max_num_batched_tokens), max_num_seqs)
     seq_buckets = [s for s in power_of_two_buckets(max_num_seqs) if s >= smallest]
-    token_floor = token_buckets[0]
-    prefill_floor = max(min(bucket(MIN_PREFILL_TOKENS), bucket(max_num_batched_tokens)), token_floor)
-    return [(t, s) for t in token_buckets for s in seq_buckets if t == max(s, token_floor) or s < t >= prefill_floor]
+    token_floor = padding.token_floor(max_num_batched_tokens)
+    prefill_floor = prefill_bucket(max(MIN_PREFILL_TOKENS, token_floor), max_num_batched_tokens)
+    prefill_ceiling = prefill_bucket(max_num_batched_tokens, max_num_batched_tokens)
+
+    def taken(t: int, s: int) -> bool:
+        decode = t == power_of_two_bucket(max(s, token_floor), max_num_batched_tokens)
+        return decode or s < t and prefill_floor <= t <= prefill_ceiling
+
+    return [(t, s) for t in token_buckets for s in seq_buckets if taken(t, s)]
 
 
 def device_memory(mesh: Mesh | None) -> tuple[int, int] | None:
