@@ -146,7 +146,7 @@ void PanelTile(const float* x, int64_t k_size, const float* panel, int64_t k0, i
     }
     for (int64_t v = 0; v < kPanelVectors; ++v) acc[r][v] = first ? Vec{} : LoadVec(from + v * kLanes);
   }
-  AccumulateTile(acc, x + k0, k_size, panel, kPanelWidth, depth, [] {});
+  AccumulateTile(acc, x + k0, k_size, panel, kPanelWidth, depth, [](int64_t) {});
   for (int64_t r = 0; r < kRows; ++r) {
     float* to = width < kPanelWidth ? staged[r] : out + r * n_size + n0;
     for (int64_t v = 0; v < kPanelVectors; ++v) StoreVec(to + v * kLanes, acc[r][v]);

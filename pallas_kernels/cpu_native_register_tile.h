@@ -6,12 +6,12 @@
 
 // acc[r][v] += x[r * k_size + k] * weights[k * weight_stride + v * kLanes] for k < depth, in order of k: each step
 // loads kVectors weight vectors and broadcasts kRows values of x, for kRows * kVectors independent multiply-adds.
-// `each_step()` runs once per step first (the panel kernel's prefetches ride on it).
+// `each_step(k)` runs once per step first (the panel kernel's prefetches ride on it).
 template <int64_t kRows, int64_t kVectors, typename EachStep>
 inline void AccumulateTile(Vec (&acc)[kRows][kVectors], const float* x, int64_t k_size, const float* weights,
                            int64_t weight_stride, int64_t depth, EachStep&& each_step) {
   for (int64_t k = 0; k < depth; ++k) {
-    each_step();
+    each_step(k);
     const float* row = weights + k * weight_stride;
     Vec loaded[kVectors];
     for (int64_t v = 0; v < kVectors; ++v) loaded[v] = LoadVec(row + v * kLanes);
