@@ -220,6 +220,21 @@ std::vector<Run> RowRuns(const int32_t* rows, int64_t num_tokens, int64_t max_to
   return runs;
 }
 
+// The runs' indices, the costliest first (tokens times the positions the last one sees): the threads claim items in
+// order, so the last items claimed are the cheapest and the threads finish together. (In the order of the batch, a
+// causal prompt's runs come cheapest first, and one thread ran the last and largest alone: one 256-token prompt's
+// attention over 30 SmolLM2 layers took 24.9 and 25.8 ms in two runs, against 22.8 and 22.1 this way.)
+std::vector<int64_t> LongestRunsFirst(const std::vector<Run>& runs, const int32_t* positions) {
+  std::vector<int64_t> order(runs.size());
+  std::vector<int64_t> cost(runs.size());
+  for (size_t i = 0; i < runs.size(); ++i) {
+    order[i] = static_cast<int64_t>(i);
+    cost[i] = runs[i].count * (static_cast<int64_t>(positions[runs[i].first + runs[i].count - 1]) + 1);
+  }
+  std::stable_sort(order.begin(), order.end(), [&cost](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  return order;
+}
+
 template <typename T>
 ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
                   ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> positions,
@@ -257,8 +272,9 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   float* out_data = out->typed_data();
   const bool tiled = soft_cap <= 0.0f && s.head_dim % kLanes == 0;
   const std::vector<Run> runs = RowRuns(row_data, s.num_tokens, tiled ? kMaxTiledRunTokens : kMaxRunTokens);
+  const std::vector<int64_t> order = LongestRunsFirst(runs, position_data);
   auto attend = [&](int64_t item) {
-    const Run& run = runs[item / s.num_kv_heads];
+    const Run& run = runs[order[item / s.num_kv_heads]];
     const int64_t kv_head = item % s.num_kv_heads;
     if (tiled && run.count >= kMinTiledRunTokens) {
       AttendRunTiled(s, q_data, page_data, table_data, run.first, run.count, kv_head, row_data[run.first],
