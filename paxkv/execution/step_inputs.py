@@ -26,7 +26,7 @@ def num_buckets(maximum: int) -> int:
 
 
 # A step that prefills also pads T to 1.5 times a power of two from this size up (96, 192, 384, ...). Powers of two
-# alone pad a prefill step up to twice its tokens (a prompt of 180 tokens ran as 256, 265 ms against 273 for 250
+# alone pad a prefill step up to twice its tokens (a prompt of 180 tokens ran as 256, 261 ms against 273 for 250
 # tokens, on SmolLM2 in f32), and a prefill step costs in proportion to its padded tokens; the sizes between halve
 # the worst case for one more program per octave. Below this size a step's padding costs little, and a decode step
 # (T = S rows, plus drafts) keeps powers of two.
