@@ -6,16 +6,17 @@ from test_replica_scheduler import FakeModel, make_request, make_scheduler, run_
 from paxkv.execution.step_inputs import StepPadding, power_of_two_buckets
 
 
+def scheduler_of_512_tokens(step_sizes, num_pages=128):
+    """A scheduler with a budget of 512 tokens a step over pages of 16 tokens, fitting steps to `step_sizes`."""
+    return make_scheduler(
+        num_pages=num_pages, page_size=16, max_num_batched_tokens=512, max_model_len=1024, step_sizes=step_sizes
+    )
+
+
 def test_a_step_just_past_a_step_size_is_trimmed_to_it():
     """300 prompt tokens would pad to 512: they run as 256 and then 44, the request holding only the pages of its
     first chunk in between, and the output is the untrimmed one."""
-    scheduler = make_scheduler(
-        num_pages=128,
-        page_size=16,
-        max_num_batched_tokens=512,
-        max_model_len=1024,
-        step_sizes=power_of_two_buckets(512),
-    )
+    scheduler = scheduler_of_512_tokens(power_of_two_buckets(512))
     request = make_request("p", 300, max_tokens=3, ignore_eos=True)
     scheduler.add_request(request)
     model = FakeModel()
@@ -34,13 +35,7 @@ def test_steps_fit_to_the_half_steps_only_where_a_whole_step_of_padding_is_saved
     96 + 4 (32 tokens of padding saved do not pay for a step of their own); 260 as 256 + 4 (128 saved); 300 as one
     step of 384 (44 tokens past 256 are more than a quarter of the gap)."""
     for num_tokens, steps in ((100, [100]), (260, [256, 4]), (300, [300])):
-        scheduler = make_scheduler(
-            num_pages=128,
-            page_size=16,
-            max_num_batched_tokens=512,
-            max_model_len=1024,
-            step_sizes=StepPadding().token_buckets(512),
-        )
+        scheduler = scheduler_of_512_tokens(StepPadding().token_buckets(512))
         scheduler.add_request(make_request("p", num_tokens, max_tokens=1))
         model, sizes = FakeModel(), []
         while scheduler.has_unfinished_requests():
@@ -52,13 +47,7 @@ def test_steps_fit_to_the_half_steps_only_where_a_whole_step_of_padding_is_saved
 def test_the_newest_chunks_give_up_the_tokens_and_decodes_keep_theirs():
     """Three decodes and two new prompts (3 + 100 + 40 = 143 tokens) run as 128: the newest prompt gives up its
     tokens but one; a step too far past a size (here 324 of 512), or below MIN_FITTED_STEP_SIZE, is left alone."""
-    scheduler = make_scheduler(
-        num_pages=256,
-        page_size=16,
-        max_num_batched_tokens=512,
-        max_model_len=1024,
-        step_sizes=power_of_two_buckets(512),
-    )
+    scheduler = scheduler_of_512_tokens(power_of_two_buckets(512), num_pages=256)
     model = FakeModel()
     for index in range(3):
         scheduler.add_request(make_request(f"d{index}", 4, max_tokens=20, ignore_eos=True))
