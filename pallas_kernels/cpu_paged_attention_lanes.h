@@ -5,8 +5,9 @@
 // A page's slots lie across SIMD lanes, kLanes at a time: each query row's scores against those slots are one
 // vector (its dot products with the keys, summed by a butterfly across the lanes), so the softmax's maximum,
 // exponentials and sum are vector operations, and the value update keeps the row's output in registers while it
-// walks the slots. The softmax is updated once per 16 slots (kSlotSpan). One query row at a time, and each row's
-// arithmetic never depends on the other rows of its run.
+// walks the slots. The softmax is updated once per 16 slots (kSlotSpan). The query heads of one token that share a
+// KV head go through a span together, up to kMaxSpanRows at a time, each value row loaded once for all of them;
+// each row's arithmetic never depends on the other rows of its run.
 
 #ifndef PAXKV_CPU_PAGED_ATTENTION_LANES_H_
 #define PAXKV_CPU_PAGED_ATTENTION_LANES_H_
@@ -23,111 +24,180 @@ inline IntVec LaneIndices() {
 constexpr int64_t kSlotVecs = kLanes >= 16 ? 1 : 16 / kLanes;
 constexpr int64_t kSlotSpan = kSlotVecs * kLanes;
 
-// One query row against slots [chunk, chunk + n) of a page (n <= kSlotSpan), those in [lo, hi) visible: updates the
-// row's running maximum, sum and output accumulator acc[kChunks * kLanes] (online softmax).
-template <int kChunks, typename T>
-inline void AttendSlotSpan(const Vec (&q)[kChunks], const T* keys, const T* values, int64_t row_width, int64_t n,
-                           int64_t lo, int64_t hi, float soft_cap, float& running_max, float& running_sum,
-                           float* acc) {
-  Vec scores[kSlotVecs];
+// kRows query rows of one token (query heads sharing a KV head, so the same slots [lo, hi) visible) against slots
+// [chunk, chunk + n) of a page (n <= kSlotSpan): updates each row's running maximum, sum and output accumulator
+// acc[r][kChunks * kLanes] (online softmax). The rows are independent chains worked side by side, and each value row
+// is loaded once for all of them: one row at a time, the value update was a chain of 16 dependent FMAs per vector.
+template <int kChunks, int kRows, typename T>
+inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, const T* values, int64_t row_width,
+                           int64_t n, int64_t lo, int64_t hi, float soft_cap, float* running_max, float* running_sum,
+                           float* const (&acc)[kRows]) {
+  Vec scores[kRows][kSlotVecs];
 #pragma GCC unroll 4
-  for (int64_t b = 0; b < kSlotVecs; ++b) {
-    Vec partial[kLanes];
+  for (int r = 0; r < kRows; ++r) {
+    Vec q[kChunks];
 #pragma GCC unroll 16
-    for (int64_t j = 0; j < kLanes; ++j) {
-      Vec dot = {};
-      if (b * kLanes + j < n) {
-        const T* key = keys + (b * kLanes + j) * row_width;
+    for (int c = 0; c < kChunks; ++c) q[c] = LoadVec(q_rows[r] + c * kLanes);
+#pragma GCC unroll 4
+    for (int64_t b = 0; b < kSlotVecs; ++b) {
+      Vec partial[kLanes];
 #pragma GCC unroll 16
-        for (int c = 0; c < kChunks; ++c) dot += q[c] * LoadValues(key + c * kLanes);
+      for (int64_t j = 0; j < kLanes; ++j) {
+        Vec dot = {};
+        if (b * kLanes + j < n) {
+          const T* key = keys + (b * kLanes + j) * row_width;
+#pragma GCC unroll 16
+          for (int c = 0; c < kChunks; ++c) dot += q[c] * LoadValues(key + c * kLanes);
+        }
+        partial[j] = dot;
       }
-      partial[j] = dot;
+      scores[r][b] = SumEachLane(partial);  // lane j: slot b * kLanes + j's score
     }
-    scores[b] = SumEachLane(partial);  // lane j: slot b * kLanes + j's score
   }
   const IntVec lanes = LaneIndices();
   IntVec visible[kSlotVecs];
-  Vec block_max = Splat(kMaskValue);
   for (int64_t b = 0; b < kSlotVecs; ++b) {
-    if (soft_cap > 0.0f) {
-      for (int j = 0; j < kLanes; ++j) scores[b][j] = soft_cap * std::tanh(scores[b][j] / soft_cap);
-    }
     const IntVec slot = lanes + static_cast<int32_t>(b * kLanes);
     visible[b] = (slot >= static_cast<int32_t>(lo)) & (slot < static_cast<int32_t>(hi));
-    scores[b] = visible[b] ? scores[b] : Splat(kMaskValue);  // a select: garbage in unused slots never reaches the sums
-    block_max = Max(block_max, scores[b]);
   }
-  const float new_max = std::max(running_max, HorizontalMax(block_max));
-  const float rescale = std::exp(running_max - new_max);
-  float weight[kSlotSpan];
-  Vec total = {};
-  for (int64_t b = 0; b < kSlotVecs; ++b) {
-    Vec weights = Exp(scores[b] - Splat(new_max));
-    weights = visible[b] ? weights : Vec{};
-    total += weights;
-    StoreVec(weight + b * kLanes, weights);
+  alignas(64) float weight[kRows][kSlotSpan];
+  float rescale[kRows];
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r) {
+    Vec block_max = Splat(kMaskValue);
+    for (int64_t b = 0; b < kSlotVecs; ++b) {
+      if (soft_cap > 0.0f) {
+        for (int j = 0; j < kLanes; ++j) scores[r][b][j] = soft_cap * std::tanh(scores[r][b][j] / soft_cap);
+      }
+      // A select: garbage in unused slots never reaches the sums.
+      scores[r][b] = visible[b] ? scores[r][b] : Splat(kMaskValue);
+      block_max = Max(block_max, scores[r][b]);
+    }
+    const float new_max = std::max(running_max[r], HorizontalMax(block_max));
+    rescale[r] = std::exp(running_max[r] - new_max);
+    Vec total = {};
+    for (int64_t b = 0; b < kSlotVecs; ++b) {
+      Vec weights = Exp(scores[r][b] - Splat(new_max));
+      weights = visible[b] ? weights : Vec{};
+      total += weights;
+      StoreVec(weight[r] + b * kLanes, weights);
+    }
+    running_sum[r] = running_sum[r] * rescale[r] + HorizontalSum(total);
+    running_max[r] = new_max;
   }
-  running_sum = running_sum * rescale + HorizontalSum(total);
-  running_max = new_max;
-  Vec out[kChunks];
+  Vec out[kRows][kChunks];
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r) {
 #pragma GCC unroll 16
-  for (int c = 0; c < kChunks; ++c) out[c] = LoadVec(acc + c * kLanes) * rescale;
+    for (int c = 0; c < kChunks; ++c) out[r][c] = LoadVec(acc[r] + c * kLanes) * rescale[r];
+  }
   for (int64_t j = lo; j < hi; ++j) {
-    const Vec w = Splat(weight[j]);
     const T* value = values + j * row_width;
+    Vec v[kChunks];
 #pragma GCC unroll 16
-    for (int c = 0; c < kChunks; ++c) out[c] += w * LoadValues(value + c * kLanes);
+    for (int c = 0; c < kChunks; ++c) v[c] = LoadValues(value + c * kLanes);
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      const Vec w = Splat(weight[r][j]);
+#pragma GCC unroll 16
+      for (int c = 0; c < kChunks; ++c) out[r][c] += w * v[c];
+    }
   }
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r) {
 #pragma GCC unroll 16
-  for (int c = 0; c < kChunks; ++c) StoreVec(acc + c * kLanes, out[c]);
+    for (int c = 0; c < kChunks; ++c) StoreVec(acc[r] + c * kLanes, out[r][c]);
+  }
 }
 
-// Tokens [first, first + count) of one row against one KV head, head_dim = kChunks * kLanes: AttendRun's contract.
+// Query heads [g, g + kRows) of one token's group against a slot span: AttendSlotSpan with the token's state.
+template <int kChunks, int kRows, typename T>
+inline void AttendHeadsSpan(const float* q_heads, const T* keys, int64_t row_width, int64_t n, int64_t lo, int64_t hi,
+                            float soft_cap, int64_t g, float* running_max, float* running_sum, float* acc) {
+  constexpr int64_t D = kChunks * kLanes;
+  const float* q_rows[kRows];
+  float* acc_rows[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    q_rows[r] = q_heads + (g + r) * D;
+    acc_rows[r] = acc + (g + r) * D;
+  }
+  AttendSlotSpan<kChunks, kRows>(q_rows, keys, keys + D, row_width, n, lo, hi, soft_cap, running_max + g,
+                                 running_sum + g, acc_rows);
+}
+
+// Up to kMaxSpanRows query rows share one span's loads (4 rows x 4 vectors of head_dim 64 on AVX-512 are 16 of the
+// 32 registers the value update holds).
+constexpr int64_t kMaxSpanRows = 4;
+
+// Tokens [first, first + count) of one row against KV heads [head_begin, head_end), head_dim = kChunks * kLanes:
+// AttendRun's contract for each of those heads. The heads are interleaved page by page, so that each page's rows are
+// read once, front to back, whichever heads the item covers.
 template <int kChunks, typename T>
 void AttendRunLanes(const Shapes& s, const float* q, const T* pages, const int32_t* block_tables, int64_t first_token,
-                    int64_t count, int64_t kv_head, int32_t row, const int32_t* positions, const int32_t* kv_lens,
-                    int64_t sliding_window, float soft_cap, float* out) {
+                    int64_t count, int64_t head_begin, int64_t head_end, int32_t row, const int32_t* positions,
+                    const int32_t* kv_lens, int64_t sliding_window, float soft_cap, float* out) {
   constexpr int64_t D = kChunks * kLanes;
-  const int64_t G = s.group, P = s.page_size;
+  const int64_t G = s.group, P = s.page_size, H = head_end - head_begin;
   TokenRange ranges[kMaxRunTokens];
   const auto [run_start, run_end] = RunRanges(positions, kv_lens, first_token, count, sliding_window, ranges);
-  // [count * G, D] accumulators and [count * G] running maxima and sums, token-major.
-  std::vector<float> acc(count * G * D, 0.0f), running_max(count * G, kMaskValue), running_sum(count * G, 0.0f);
+  // [H, count * G, D] accumulators and [H, count * G] running maxima and sums, head-major then token-major.
+  std::vector<float> acc(H * count * G * D, 0.0f), running_max(H * count * G, kMaskValue),
+      running_sum(H * count * G, 0.0f);
   const int32_t* table = RowTable(s, block_tables, row);
   for (int64_t first = run_start - run_start % P; first < run_end; first += P) {
     const int64_t page_id = PageAt(s, table, first / P);
-    const T* page = pages + page_id * P * s.row_width + 2 * kv_head * D;  // this head's key in slot 0
-    if (first + P < run_end) PrefetchPage(s, pages, table, first / P + 1, kv_head, D);
+    if (first + P < run_end) PrefetchPageHeads(s, pages, table, first / P + 1, head_begin, head_end, D);
     for (int64_t chunk = first; chunk < std::min(first + P, run_end); chunk += kSlotSpan) {
       const int64_t n = std::min<int64_t>(kSlotSpan, first + P - chunk);
-      const T* keys = page + (chunk - first) * s.row_width;
-      for (int64_t i = 0; i < count; ++i) {
-        const int64_t lo = std::max(chunk, ranges[i].start) - chunk;
-        const int64_t hi = std::min(chunk + n, ranges[i].end) - chunk;
-        if (lo >= hi) continue;  // nothing of these slots is visible to the token
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t state = i * G + g;
-          const float* q_row = q + ((first_token + i) * s.num_q_heads + kv_head * G + g) * D;
-          Vec q_vecs[kChunks];
-          for (int c = 0; c < kChunks; ++c) q_vecs[c] = LoadVec(q_row + c * kLanes);
-          AttendSlotSpan<kChunks>(q_vecs, keys, keys + D, s.row_width, n, lo, hi, soft_cap, running_max[state],
-                                  running_sum[state], acc.data() + state * D);
+      const T* slots = pages + (page_id * P + chunk - first) * s.row_width;
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t kv_head = head_begin + h;
+        const T* keys = slots + 2 * kv_head * D;
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t lo = std::max(chunk, ranges[i].start) - chunk;
+          const int64_t hi = std::min(chunk + n, ranges[i].end) - chunk;
+          if (lo >= hi) continue;  // nothing of these slots is visible to the token
+          const int64_t state = (h * count + i) * G;  // the token's first query head under this KV head
+          const float* q_heads = q + ((first_token + i) * s.num_q_heads + kv_head * G) * D;  // [G, D]
+          float* acc_heads = acc.data() + state * D;
+          int64_t g = 0;
+          for (; g + kMaxSpanRows <= G; g += kMaxSpanRows) {
+            AttendHeadsSpan<kChunks, kMaxSpanRows>(q_heads, keys, s.row_width, n, lo, hi, soft_cap, g,
+                                                   running_max.data() + state, running_sum.data() + state, acc_heads);
+          }
+          switch (G - g) {  // the rest of the group
+#define PAXKV_SPAN_ROWS_CASE(rows)                                                                        \
+  case rows:                                                                                              \
+    AttendHeadsSpan<kChunks, rows>(q_heads, keys, s.row_width, n, lo, hi, soft_cap, g, running_max.data() + state, \
+                                   running_sum.data() + state, acc_heads);                                \
+    break;
+            PAXKV_SPAN_ROWS_CASE(1)
+            PAXKV_SPAN_ROWS_CASE(2)
+            PAXKV_SPAN_ROWS_CASE(3)
+#undef PAXKV_SPAN_ROWS_CASE
+            default:
+              break;
+          }
         }
       }
     }
   }
-  WriteRunOutputs(s, ranges, first_token, count, kv_head, acc.data(), running_sum.data(), out);
+  for (int64_t h = 0; h < H; ++h) {
+    WriteRunOutputs(s, ranges, first_token, count, head_begin + h, acc.data() + h * count * G * D,
+                    running_sum.data() + h * count * G, out);
+  }
 }
 
 // AttendRunLanes for head_dim 32, 64 or 128; false (nothing done) for others.
 template <typename T>
 bool AttendRunLanesFor(const Shapes& s, const float* q, const T* pages, const int32_t* block_tables,
-                       int64_t first_token, int64_t count, int64_t kv_head, int32_t row, const int32_t* positions,
-                       const int32_t* kv_lens, int64_t sliding_window, float soft_cap, float* out) {
+                       int64_t first_token, int64_t count, int64_t head_begin, int64_t head_end, int32_t row,
+                       const int32_t* positions, const int32_t* kv_lens, int64_t sliding_window, float soft_cap,
+                       float* out) {
 #define PAXKV_LANES_CASE(head_dim)                                                                                  \
   case head_dim:                                                                                                    \
-    AttendRunLanes<head_dim / kLanes>(s, q, pages, block_tables, first_token, count, kv_head, row, positions,       \
-                                      kv_lens, sliding_window, soft_cap, out);                                      \
+    AttendRunLanes<head_dim / kLanes>(s, q, pages, block_tables, first_token, count, head_begin, head_end, row,     \
+                                      positions, kv_lens, sliding_window, soft_cap, out);                           \
     return true;
   switch (s.head_dim) {  // the head_dims of the models paxkv runs (each case adds about 0.6 s to the build)
     PAXKV_LANES_CASE(32)

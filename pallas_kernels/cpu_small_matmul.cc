@@ -123,7 +123,8 @@ template <typename W>
 void MatmulKn(ffi::ThreadPool& pool, const float* x, const W* w, float* out, int64_t t_size, int64_t k_size,
               int64_t n_size) {
   const int64_t target_items = kItemsPerThread * std::max<int64_t>(1, pool.num_threads());
-  const int64_t band = std::max<int64_t>(kDepthStep, (k_size / target_items + kDepthStep - 1) / kDepthStep * kDepthStep);
+  const int64_t band =
+      std::max<int64_t>(kDepthStep, (k_size / target_items + kDepthStep - 1) / kDepthStep * kDepthStep);
   const int64_t items = (k_size + band - 1) / band;
   std::vector<float> partials(items * t_size * n_size);
   auto item = [&](int64_t i) {

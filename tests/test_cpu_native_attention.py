@@ -83,6 +83,30 @@ def test_random_layouts(seed):
     _check(case, kv_read="per_token")
 
 
+@pytest.mark.parametrize("num_seqs", [2, 6])
+@pytest.mark.parametrize("group", range(1, 9))
+def test_decode_rows_of_every_group_size(group, num_seqs):
+    """Decode tokens of every GQA group to 8: query heads go through a page's slots up to four at a time, so each
+    group size is another mix of 4-row blocks and a remainder. With 6 rows one item covers all of a row's KV heads;
+    with 2, fewer than two items a thread, each KV head is an item of its own."""
+    rng = np.random.default_rng(400 + 10 * group + num_seqs)
+    kv_lens = rng.integers(1, 200, num_seqs).tolist()
+    case = make_case(
+        group,
+        kv_lens=kv_lens,
+        q_lens=[1] * num_seqs,
+        page_size=16,
+        num_kv_heads=int(rng.choice([1, 2, 3])),
+        group=group,
+        head_dim=64,
+        kv_dtype="float32",
+        padded_tokens=num_seqs + 2,
+        padded_rows=num_seqs + 1,
+    )
+    _check(case, kv_read="per_token")
+    _check(case, kv_read="per_token", soft_cap=4.0)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_rows_of_a_token_and_its_drafts(seed):
     """Speculative verification's shape: each row a decode token and up to 8 drafts (runs the kernel reads each page
