@@ -9,6 +9,7 @@ from paxkv.config import SpeculativeConfig
 from paxkv.scheduling.request import Request
 from paxkv.scheduling.scheduled_batch import ScheduledSequence, SpeculatingStep
 from paxkv.scheduling.stopping import holds_back_stops
+from paxkv.speculation.closed_batch import closed_batch_progress
 from paxkv.speculation.draft_budget import DraftBudget, DraftStats
 from paxkv.speculation.ngram_proposer import NgramIndex
 
@@ -92,9 +93,9 @@ class Drafter:
         budget approves them against the measured step costs and acceptance rates.
 
         While requests wait, a row that finishes early is refilled, so every emitted token counts. With nothing
-        waiting, the running rows' work ends when the longest of them ends: only drafts of the rows within a draft
-        length of the most tokens left count, each as its share of those rows' progress (drafts for a row that
-        will finish early anyway make every step dearer and the whole no sooner).
+        waiting, the running rows' work ends when the longest of them ends: only rows within a draft length of the
+        most tokens left may draft, and a step is worth how much nearer it brings that end
+        (paxkv.speculation.closed_batch).
 
         Args:
           sequences: the step's sequences so far.
@@ -110,7 +111,6 @@ class Drafter:
         # of its own), so that rows catch up in their running order and none waits forever.
         catch_up_left, first_catch_up = num_tokens + token_budget, True
         longest = max(rooms, default=0) - self.config.num_speculative_tokens
-        num_longest = sum(room >= longest for room in rooms)
         rows, proposals, kinds, catch_ups, remaining_tokens = [], [], [], [], 0
         for index, (sequence, room) in enumerate(zip(sequences, rooms, strict=True)):
             request = sequence.request
@@ -138,8 +138,11 @@ class Drafter:
             for i, d, kind in zip(rows, proposals, kinds, strict=True)
         ]
         num_emitting = sum(sequence.completes_prompt for sequence in sequences)
-        if finish_together:  # progress is the longest rows' mean, in the units of num_emitting tokens per row
-            candidates = [[gain * num_emitting / num_longest for gain in gains] for gains in candidates]
+        progress = None
+        if finish_together:  # a row whose prompt this step does not finish emits its first token a step later
+            waits = [not sequence.completes_prompt for sequence in sequences]
+            progress = closed_batch_progress([r + w for r, w in zip(rooms, waits, strict=True)], rows, candidates,
+                                             num_emitting)  # fmt: skip
         compiled = compile_ahead = None
         prefills = any(sequence.num_new_tokens > 1 for sequence in sequences)
         params = [sequence.request.sampling_params for sequence in sequences]
@@ -175,6 +178,7 @@ class Drafter:
             remaining_tokens,
             compile_ahead,
             entry_costs,
+            progress,
         )
         return [(i, d[:c]) for i, d, c in zip(rows, proposals, counts, strict=True) if c]
 
