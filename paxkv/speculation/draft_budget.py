@@ -247,7 +247,6 @@ class DraftBudget:
         remaining_tokens: int = 0,
         compile_ahead: Callable[[list[int]], None] | None = None,
         entry_costs: list[float] | None = None,
-        progress: Callable[[list[int]], float] | None = None,
     ) -> list[int]:
         """How many drafts each candidate verifies this step.
 
@@ -270,8 +269,6 @@ class DraftBudget:
           entry_costs: per candidate, seconds it costs before its first draft (a draft model catching up over the
             tokens it skipped, its prompt the first time): a choice whose candidates cost more than it saves over
             `remaining_tokens`, against plain steps, is no choice; None: none.
-          progress: drafts per candidate -> what the step is worth in tokens, in place of `num_emitting` plus the
-            drafts' gains (a closed batch's: paxkv.speculation.closed_batch); None: that sum.
         """
         if not self.adaptive:
             counts, left = [], room
@@ -297,14 +294,13 @@ class DraftBudget:
             program = _program(num_tokens + count, count)
             if count < len(gains) and _program(num_tokens + count + 1, count + 1) == program:
                 continue
-            worth = expected if progress is None else progress(counts)
             cost = self.step_cost(num_tokens + count, count)
             if cost is None:
                 break
-            if entry_costs is not None and not self._repays_entry(counts, entry_costs, worth, cost, num_tokens,
+            if entry_costs is not None and not self._repays_entry(counts, entry_costs, expected, cost, num_tokens,
                                                                    num_emitting, remaining_tokens):  # fmt: skip
                 continue
-            options.append((list(counts), worth, cost, compiled is None or compiled(list(counts))))
+            options.append((list(counts), expected, cost, compiled is None or compiled(list(counts))))
         base_cost = self.step_cost(num_tokens)
         best, best_rate = [0] * len(candidates), num_emitting / base_cost if base_cost else None
         for counts, expected, cost, ready in options:

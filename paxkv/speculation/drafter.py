@@ -9,8 +9,8 @@ from paxkv.config import SpeculativeConfig
 from paxkv.scheduling.request import Request
 from paxkv.scheduling.scheduled_batch import ScheduledSequence, SpeculatingStep
 from paxkv.scheduling.stopping import holds_back_stops
-from paxkv.speculation.closed_batch import closed_batch_progress
-from paxkv.speculation.draft_budget import DraftBudget, DraftStats
+from paxkv.speculation.closed_batch import closed_batch_share
+from paxkv.speculation.draft_budget import PRIOR_WEIGHT, DraftBudget, DraftStats
 from paxkv.speculation.ngram_proposer import NgramIndex
 
 logger = logging.getLogger(__name__)
@@ -93,8 +93,10 @@ class Drafter:
         budget approves them against the measured step costs and acceptance rates.
 
         While requests wait, a row that finishes early is refilled, so every emitted token counts. With nothing
-        waiting, the running rows' work ends when the longest of them ends: only rows within a draft length of the
-        most tokens left may draft, and a step is worth how much nearer it brings that end
+        waiting, the running rows' work ends when the longest of them ends: only drafts of the rows within a draft
+        length of the most tokens left count, each as its share of those rows' progress (drafts for a row that
+        will finish early anyway make every step dearer and the whole no sooner), and that at the share by which
+        the least of their accepted drafts over the rest of the run falls short of the mean
         (paxkv.speculation.closed_batch).
 
         Args:
@@ -111,6 +113,7 @@ class Drafter:
         # of its own), so that rows catch up in their running order and none waits forever.
         catch_up_left, first_catch_up = num_tokens + token_budget, True
         longest = max(rooms, default=0) - self.config.num_speculative_tokens
+        num_longest = sum(room >= longest for room in rooms)
         rows, proposals, kinds, catch_ups, remaining_tokens = [], [], [], [], 0
         for index, (sequence, room) in enumerate(zip(sequences, rooms, strict=True)):
             request = sequence.request
@@ -138,11 +141,9 @@ class Drafter:
             for i, d, kind in zip(rows, proposals, kinds, strict=True)
         ]
         num_emitting = sum(sequence.completes_prompt for sequence in sequences)
-        progress = None
-        if finish_together:  # a row whose prompt this step does not finish emits its first token a step later
-            waits = [not sequence.completes_prompt for sequence in sequences]
-            progress = closed_batch_progress([r + w for r, w in zip(rooms, waits, strict=True)], rows, candidates,
-                                             num_emitting)  # fmt: skip
+        if finish_together:  # progress is the longest rows' mean, in the units of num_emitting tokens per row
+            share = self._closed_batch_share(sequences, rooms, longest, dict(zip(rows, candidates, strict=True)))
+            candidates = [[gain * share * num_emitting / num_longest for gain in gains] for gains in candidates]
         compiled = compile_ahead = None
         prefills = any(sequence.num_new_tokens > 1 for sequence in sequences)
         params = [sequence.request.sampling_params for sequence in sequences]
@@ -178,9 +179,28 @@ class Drafter:
             remaining_tokens,
             compile_ahead,
             entry_costs,
-            progress,
         )
         return [(i, d[:c]) for i, d, c in zip(rows, proposals, counts, strict=True) if c]
+
+    def _closed_batch_share(
+        self, sequences: list[ScheduledSequence], rooms: list[int], longest: int, gains: dict[int, list[float]]
+    ) -> float:
+        """closed_batch_share for the decoding rows within a draft length of the most tokens left: each accepting
+        drafts a step at its record's rate (its accepted drafts over its steps), shrunk toward what this step's
+        proposal is expected to add (none without one)."""
+        rates, steps_left = [], []
+        for index, (sequence, room) in enumerate(zip(sequences, rooms, strict=True)):
+            if room < longest or sequence.num_new_tokens != 1 or not sequence.completes_prompt:
+                continue
+            request = sequence.request
+            stats = self._stats.get(request.request_id, DraftStats())
+            steps = request.num_output_tokens - stats.num_accepted  # each emitted one token and its accepted drafts
+            prior = sum(gains.get(index, ()))
+            rates.append((stats.num_accepted + PRIOR_WEIGHT * prior) / (max(steps, 0) + PRIOR_WEIGHT))
+            steps_left.append(room)
+        if not rates:
+            return 0.0
+        return closed_batch_share(len(rates), sum(rates) / len(rates), sum(steps_left) / len(steps_left))
 
     def observe_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """Record a step's verdict on a request's drafts."""
