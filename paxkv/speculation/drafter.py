@@ -197,7 +197,7 @@ class Drafter:
             steps = request.num_output_tokens - stats.num_accepted  # each emitted one token and its accepted drafts
             prior = sum(gains.get(index, ()))
             rates.append((stats.num_accepted + PRIOR_WEIGHT * prior) / (max(steps, 0) + PRIOR_WEIGHT))
-            steps_left.append(room)
+            steps_left.append(room / (1.0 + rates[-1]))  # its tokens left, at 1 + rate a step
         if not rates:
             return 0.0
         return closed_batch_share(len(rates), sum(rates) / len(rates), sum(steps_left) / len(steps_left))
