@@ -6,7 +6,7 @@
 // vector (its dot products with the keys, summed by a butterfly across the lanes), so the softmax's maximum,
 // exponentials and sum are vector operations, and the value update keeps the row's output in registers while it
 // walks the slots. The softmax is updated once per 16 slots (kSlotSpan). The query heads of one token that share a
-// KV head go through a span together, up to kMaxSpanRows at a time, each value row loaded once for all of them;
+// KV head go through a span together, up to MaxSpanRows at a time, each value row loaded once for all of them;
 // each row's arithmetic never depends on the other rows of its run.
 
 #ifndef PAXKV_CPU_PAGED_ATTENTION_LANES_H_
@@ -125,9 +125,14 @@ inline void AttendHeadsSpan(const float* q_heads, const T* keys, int64_t row_wid
                                  running_sum + g, acc_rows);
 }
 
-// Up to kMaxSpanRows query rows share one span's loads (4 rows x 4 vectors of head_dim 64 on AVX-512 are 16 of the
-// 32 registers the value update holds).
-constexpr int64_t kMaxSpanRows = 4;
+// Query rows that share one span's loads: the value update holds rows x kChunks accumulators, kept to half the
+// register file (16 of AVX-512's 32, 8 of AVX2's 16) beside the value vectors: head_dim 64 takes 4 rows on AVX-512
+// and 1 on AVX2, head_dim 128 takes 2 and 1.
+template <int kChunks>
+constexpr int MaxSpanRows() {
+  constexpr int accumulators = kLanes >= 16 ? 16 : 8;
+  return std::max(1, std::min(4, accumulators / kChunks));
+}
 
 // Tokens [first, first + count) of one row against KV heads [head_begin, head_end), head_dim = kChunks * kLanes:
 // AttendRun's contract for each of those heads. The heads are interleaved page by page, so that each page's rows are
@@ -160,12 +165,13 @@ void AttendRunLanes(const Shapes& s, const float* q, const T* pages, const int32
           const int64_t state = (h * count + i) * G;  // the token's first query head under this KV head
           const float* q_heads = q + ((first_token + i) * s.num_q_heads + kv_head * G) * D;  // [G, D]
           float* acc_heads = acc.data() + state * D;
+          constexpr int kRows = MaxSpanRows<kChunks>();
           int64_t g = 0;
-          for (; g + kMaxSpanRows <= G; g += kMaxSpanRows) {
-            AttendHeadsSpan<kChunks, kMaxSpanRows>(q_heads, keys, s.row_width, n, lo, hi, soft_cap, g,
-                                                   running_max.data() + state, running_sum.data() + state, acc_heads);
+          for (; g + kRows <= G; g += kRows) {
+            AttendHeadsSpan<kChunks, kRows>(q_heads, keys, s.row_width, n, lo, hi, soft_cap, g,
+                                            running_max.data() + state, running_sum.data() + state, acc_heads);
           }
-          switch (G - g) {  // the rest of the group
+          switch (G - g) {  // the rest of the group (fewer than kRows)
 #define PAXKV_SPAN_ROWS_CASE(rows)                                                                        \
   case rows:                                                                                              \
     AttendHeadsSpan<kChunks, rows>(q_heads, keys, s.row_width, n, lo, hi, soft_cap, g, running_max.data() + state, \
