@@ -17,8 +17,9 @@
 //   by halving (AttendRun); both paths prefetch the next page's K and V rows while one page is worked on;
 // - longer runs (prefill chunks) are tiled like a matrix product (AttendRunTiled): the run's query rows sit
 //   across SIMD lanes, transposed once per run, so every score block, softmax statistic and output update is a
-//   vertical vector operation with a key or value element broadcast, and a register tile of 8 keys (or 8 output
-//   dims) by 48 rows is reused across head_dim (or the page's slots).
+//   vertical vector operation with a key or value element broadcast; the score tile (8 keys by 48 rows) is reused
+//   across head_dim and the value tile (6 rows by 64 output dims) across the page's slots, and the rows go through
+//   the pages 48 at a time, so that their queries, sums and weights stay in the first-level cache.
 // Within one path each token's arithmetic is the same whatever run it is in.
 //
 // Layout (pallas_kernels/kv_pages.py): kv_pages[num_pages, page_size, 2 * K * D], the key of head h in slot 2h
