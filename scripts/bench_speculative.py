@@ -61,6 +61,12 @@ flags.DEFINE_string(
     "Also measure a draft model (adaptive and always drafting): a checkpoint with the target's vocabulary, or "
     "'embedded' for the embedded SmolLM2 itself (the only model with its vocabulary this machine has).",
 )
+flags.DEFINE_string(
+    "configs",
+    None,
+    "Comma-separated configurations to run besides plain (ngram_adaptive, ngram_always, draft_adaptive, "
+    "draft_always); default: all that the other flags enable.",
+)
 flags.DEFINE_bool(
     "draft_always",
     True,
@@ -173,6 +179,12 @@ def main(argv):
         configs["draft_adaptive"] = {"method": "draft_model", "model": draft, "adaptive": True}
         if FLAGS.draft_always:
             configs["draft_always"] = {"method": "draft_model", "model": draft, "adaptive": False}
+    if FLAGS.configs:
+        chosen = set(FLAGS.configs.split(","))
+        unknown = chosen - set(configs)
+        if unknown:
+            raise SystemExit(f"--configs: unknown or not enabled {sorted(unknown)}; choose from {sorted(configs)}")
+        configs = {name: speculative for name, speculative in configs.items() if name == "plain" or name in chosen}
     engines = {}
     for name, speculative in configs.items():
         if speculative is not None:
