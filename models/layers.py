@@ -39,8 +39,9 @@ def project(spec: str, x: jax.Array, weight: jax.Array | PanelWeight, *, native:
     at one row), and tens of rows to the blocked kernel where it beats XLA on this kind of CPU; never when the weight
     may be partitioned over a mesh axis here.
 
-    A PanelWeight (an f32 weight laid out for the native CPU matmul, models.packed_weights) goes to the panel
-    kernel at every row count; where the native kernels may not run, XLA multiplies the unpacked matrix.
+    A PanelWeight (an f32 or int8 weight laid out for the native CPU matmul, models.packed_weights) goes to the
+    panel kernel at every row count; where the native kernels may not run, XLA multiplies the unpacked (dequantized)
+    matrix.
 
     Args:
       spec: the einsum, x's letters first (its first axis is the tokens).
@@ -71,7 +72,7 @@ def _project_panels(spec: str, x: jax.Array, weight: PanelWeight, native: bool) 
         )
     rows = x.shape[0]
     if native and x.dtype == jnp.float32 and _unpartitioned_here():
-        out = panel_matmul_cpu(x, weight.panels, weight.columns)
+        out = panel_matmul_cpu(x, weight.panels, weight.columns, weight.scales, weight.mins)
     else:
         out = jnp.dot(x, weight.matrix().astype(x.dtype))
     return out.reshape(rows, *weight.output_shape)

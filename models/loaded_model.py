@@ -30,6 +30,7 @@ class LoadedModel:
     source: str
     load_seconds: float = 0.0
     mesh: jax.sharding.Mesh | None = None  # the mesh the parameters were placed on, if any
+    quantization: str | None = None  # "int8" where models.load quantized the projections (packed_weights)
 
     @property
     def model(self) -> Llama:

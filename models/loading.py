@@ -18,6 +18,7 @@ from models.gguf_loading import GGUFCheckpoint
 from models.loaded_model import LoadedModel, abstract_model, build_state, check_tokenizer_file
 from models.orbax_checkpoint import MARKER as ORBAX_MARKER
 from models.orbax_checkpoint import load_orbax
+from models.packed_weights import WEIGHT_QUANTIZATIONS, pack_projections_in_place
 from models.tokenizer import Tokenizer
 from models.weights import params_from_hf_tensors
 from pallas_kernels import resolve_attention_impl
@@ -42,6 +43,7 @@ def load(
     compute_dtype: str | None = None,
     require_tokenizer: bool = True,
     allow_nonfinite_weights: bool = False,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load a Llama-family model.
 
@@ -57,10 +59,20 @@ def load(
       require_tokenizer: raise when the checkpoint has no tokenizer (else tokenizer is None).
       allow_nonfinite_weights: skip the check that every weight is finite (a NaN or Inf weight is a CheckpointError
         naming the tensor otherwise).
+      quantization: None (or "none") for the weights as `dtype` stores them, or "int8": every projection and the tied
+        embedding as int8 with an f32 scale and min per 32 contraction rows and output column, multiplied by the native
+        CPU matmul (f32 weights, one CPU device; models.packed_weights).
     """
     start = time.perf_counter()
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}")
+    quantization = None if quantization in (None, "none") else quantization
+    if quantization not in WEIGHT_QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r} is not supported; use 'none' or 'int8'")
+    if quantization is not None and dtype != "float32":
+        raise ValueError(
+            f"quantization={quantization!r} quantizes f32 weights; load with dtype='float32' (got {dtype!r})"
+        )
     if compute_dtype is None:
         compute_dtype = default_compute_dtype()
     if compute_dtype not in DTYPES:
@@ -91,8 +103,10 @@ def load(
         )
     if not allow_nonfinite_weights:
         check_finite_weights(loaded.state, path)
-    loaded.load_seconds = time.perf_counter() - start
     loaded.mesh = mesh
+    if quantization is not None:
+        _quantize(loaded, quantization, compute_dtype, model_kwargs["attention_impl"])
+    loaded.load_seconds = time.perf_counter() - start
     logging.info(
         "loaded %s (%s, %d layers) in %.2f s",
         path,
@@ -101,6 +115,27 @@ def load(
         loaded.load_seconds,
     )
     return loaded
+
+
+def _quantize(loaded: LoadedModel, quantization: str, compute_dtype: str, attention_impl: str) -> None:
+    """Store `loaded`'s projections quantized, in place (one weight at a time), or raise ValueError saying why this
+    run cannot (the quantized weights are multiplied by the native CPU matmul alone)."""
+    mesh = loaded.mesh
+    num_devices = 1 if mesh is None else mesh.devices.size
+    if attention_impl != "cpu_native" or compute_dtype != "float32" or num_devices > 1:
+        if num_devices > 1:
+            where = f"a mesh of {num_devices} devices"
+        elif compute_dtype != "float32":
+            where = f"compute_dtype={compute_dtype!r}"
+        else:
+            where = f"attention_impl resolved to {attention_impl!r} (backend {jax.default_backend()})"
+        raise ValueError(
+            f"quantization={quantization!r} runs on the native CPU matmul, on one CPU device with f32 activations; "
+            f"this load has {where}. Drop the quantization (dtype float32 or bfloat16), or run on one CPU device "
+            "with attention_impl 'auto' or 'cpu_native'"
+        )
+    pack_projections_in_place(loaded.state, quantization)
+    loaded.quantization = quantization
 
 
 @jax.jit

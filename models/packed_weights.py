@@ -6,6 +6,11 @@ chunk, then runs through cpu_panel_matmul, whose reads of the weight overlap its
 cpu_panel_matmul.py has the measurements). The weight is packed in place of the [K, N] array, never beside it. A tied
 embedding [V, D] is stored as the panels of its transpose: the lm_head multiplies them, and a token's vector is read
 from them (column t % 48 of panel t // 48), so the table is not kept twice.
+
+With weight quantization "int8" (weight-only, as llama.cpp's Q8_0 or vLLM's W8A16), the panels hold int8 levels and
+an f32 scale and min per output column and group of 32 contraction rows (pallas_kernels.quantize_panels_int8; a tied
+embedding's columns are tokens, so a token's vector has a scale and min per 32 of its values): 31% of the bytes that
+a decode step streams, with f32 activations and sums.
 """
 
 import dataclasses
@@ -16,7 +21,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.cpu_panel_matmul import PANEL_WIDTH, pack_panels, panel_layout_pays, unpack_panels
+from pallas_kernels.cpu_panel_matmul import (
+    PANEL_WIDTH,
+    dequantized_matrix,
+    group_rows,
+    pack_panels,
+    panel_layout_pays,
+    quantize_panels_int8,
+)
+
+WEIGHT_QUANTIZATIONS = (None, "int8")  # what pack_projections can store the projections as (None: f32 as they are)
 
 # The projections a Llama-family model multiplies as x[T, K] @ weight, by parameter name: how many of the weight's
 # leading axes are K (o_proj's [N, H, D] contracts heads and head_dim together).
@@ -35,18 +49,21 @@ PROJECTION_CONTRACTED_AXES = {
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PanelWeight:
-    """A projection weight of `shape` stored as f32 column panels of its [K, N] matrix (K = the product of its first
-    `contracted` axes; with `transposed`, the weight is [N, K], a tied embedding whose rows are tokens' vectors);
-    models.layers.project multiplies it without unpacking on the native CPU path."""
+    """A projection weight of `shape` stored as column panels of its [K, N] matrix (K = the product of its first
+    `contracted` axes; with `transposed`, the weight is [N, K], a tied embedding whose rows are tokens' vectors): f32,
+    or int8 with one f32 scale per column; models.layers.project multiplies it without unpacking on the native CPU
+    path."""
 
-    panels: jax.Array  # f32[ceil(N / 48), K, 48]
+    panels: jax.Array  # f32 or s8[ceil(N / 48), K, 48]
     shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     contracted: int = dataclasses.field(default=1, metadata=dict(static=True))
     transposed: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    scales: jax.Array | None = None  # f32[ceil(N / 48), ceil(K / 32), 48] per group and column, int8 panels only
+    mins: jax.Array | None = None  # f32[ceil(N / 48), ceil(K / 32), 48] the value of level 0, int8 panels only
 
     @property
     def dtype(self):
-        """The weight's dtype (the panels')."""
+        """The panels' storage dtype (float32, or int8 for a quantized weight)."""
         return self.panels.dtype
 
     @property
@@ -65,9 +82,9 @@ class PanelWeight:
             raise TypeError("a PanelWeight is read whole (param[...]); unpack() it to index it")
         return self
 
-    def matrix(self) -> jax.Array:  # [K, N]
-        """The weight as the [K, N] matrix that was packed."""
-        return unpack_panels(self.panels, self.columns)
+    def matrix(self) -> jax.Array:  # f32[K, N]
+        """The weight as the [K, N] matrix that was packed (an int8 weight's, dequantized)."""
+        return dequantized_matrix(self.panels, self.columns, self.scales, self.mins)
 
     def unpack(self) -> jax.Array:  # shape
         """The weight in its own shape."""
@@ -78,7 +95,13 @@ def embedding_rows(embed, tokens: jax.Array) -> jax.Array:  # [T, D]
     """Rows `tokens` of an embedding table stored as an array, or as the PanelWeight of a tied embedding (token t's
     vector is column t % 48 of panel t // 48)."""
     if isinstance(embed, PanelWeight):
-        return embed.panels[tokens // PANEL_WIDTH, :, tokens % PANEL_WIDTH]
+        rows = embed.panels[tokens // PANEL_WIDTH, :, tokens % PANEL_WIDTH]  # [T, D]
+        if embed.scales is None:
+            return rows
+        depth = rows.shape[1]
+        # f32[T, D] each: token t's are column t % 48 of panel t // 48, one per group of its values
+        scales, mins = (group_rows(a, depth)[:, tokens].T for a in (embed.scales, embed.mins))
+        return rows.astype(jnp.float32) * scales + mins
     return jnp.take(embed, tokens, axis=0)
 
 
@@ -89,17 +112,19 @@ def as_matrix(weight, contracted: int):
     return weight.reshape(math.prod(weight.shape[:contracted]), -1)
 
 
-@functools.partial(jax.jit, static_argnames=("contracted", "transposed"))
-def _pack(value: jax.Array, contracted: int, transposed: bool) -> jax.Array:
-    """pack_panels of value's [K, N] matrix (of its transpose's: a tied embedding), in one program: no intermediate
-    copy of the weight."""
+@functools.partial(jax.jit, static_argnames=("contracted", "transposed", "quantization"))
+def _pack(value: jax.Array, contracted: int, transposed: bool, quantization: str | None):
+    """(panels, scales, mins; None for f32) of value's [K, N] matrix (of its transpose's: a tied embedding), in one
+    program: no intermediate copy of the weight."""
     matrix = value.T if transposed else value.reshape(math.prod(value.shape[:contracted]), -1)
-    return pack_panels(matrix)
+    return quantize_panels_int8(matrix) if quantization == "int8" else (pack_panels(matrix), None, None)
 
 
-def _packings(state: nnx.State):
+def _packings(state: nnx.State, quantization: str | None):
     """(variable, its PanelWeight) for each f32 projection weight of `state` (PROJECTION_CONTRACTED_AXES, and a tied
     embedding, which is the lm_head too), each packed only when the caller asks for the next one."""
+    if quantization not in WEIGHT_QUANTIZATIONS:
+        raise ValueError(f"weight quantization {quantization!r} is not supported; use one of {WEIGHT_QUANTIZATIONS}")
     flat = nnx.to_flat_state(state)
     tied = not any(str(path[-1]) == "lm_head" for path, _ in flat)
     for path, variable in flat:
@@ -108,29 +133,36 @@ def _packings(state: nnx.State):
             continue
         if name in PROJECTION_CONTRACTED_AXES:
             contracted = PROJECTION_CONTRACTED_AXES[name]
-            yield variable, PanelWeight(_pack(value, contracted, False), tuple(value.shape), contracted)
+            panels, scales, mins = _pack(value, contracted, False, quantization)
+            yield variable, PanelWeight(panels, tuple(value.shape), contracted, scales=scales, mins=mins)
         elif name == "embed" and tied and value.ndim == 2:
-            yield variable, PanelWeight(_pack(value, 1, True), tuple(value.shape), transposed=True)
+            panels, scales, mins = _pack(value, 1, True, quantization)
+            yield variable, PanelWeight(panels, tuple(value.shape), transposed=True, scales=scales, mins=mins)
 
 
-def pack_projections(state: nnx.State) -> nnx.State:
+def pack_projections(state: nnx.State, quantization: str | None = None) -> nnx.State:
     """A new state whose f32 projection weights (and tied embedding) are PanelWeights, the rest as in `state`, which
-    keeps its arrays."""
-    replaced = {id(variable): variable.replace(panels) for variable, panels in _packings(state)}
+    keeps its arrays.
+
+    Args:
+      state: a model's state.
+      quantization: None to keep the weights' f32 values, or "int8" (a scale and min per group and column).
+    """
+    replaced = {id(variable): variable.replace(panels) for variable, panels in _packings(state, quantization)}
     return nnx.from_flat_state(
         [(path, replaced.get(id(variable), variable)) for path, variable in nnx.to_flat_state(state)]
     )
 
 
-def pack_projections_in_place(state: nnx.State) -> None:
+def pack_projections_in_place(state: nnx.State, quantization: str | None = None) -> None:
     """pack_projections, each variable of `state` given its PanelWeight in turn: a weight's [K, N] array is freed
     before the next one is packed, where nothing else holds it (so packing costs one weight's memory, not a model's)."""
-    for variable, panels in _packings(state):
+    for variable, panels in _packings(state, quantization):
         variable.set_value(panels)
 
 
 def unpacked_state(state: nnx.State) -> nnx.State:
-    """`state` with every PanelWeight back in its own shape (what checkpoints store)."""
+    """`state` with every PanelWeight back in its own shape (what checkpoints store; an int8 one dequantized)."""
     flat = []
     for path, variable in nnx.to_flat_state(state):
         value = variable.get_value()

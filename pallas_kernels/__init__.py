@@ -3,11 +3,14 @@
 from pallas_kernels.cpu_amx_matmul import MAX_AMX_ROWS, MIN_AMX_ROWS, amx_matmul_cpu, amx_matmul_reads
 from pallas_kernels.cpu_blocked_matmul import MIN_BLOCKED_ROWS, blocked_matmul_cpu, blocked_matmul_reads
 from pallas_kernels.cpu_panel_matmul import (
+    INT8_GROUP_ROWS,
     PANEL_WIDTH,
+    dequantized_matrix,
     pack_panels,
     panel_layout_pays,
     panel_matmul_cpu,
     panel_matmul_reference,
+    quantize_panels_int8,
     unpack_panels,
 )
 from pallas_kernels.cpu_small_matmul import (
@@ -46,6 +49,7 @@ from pallas_kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
 from pallas_kernels.reference import ragged_paged_attention_reference
 
 __all__ = [
+    "INT8_GROUP_ROWS",
     "ATTENTION_IMPLS",
     "AttentionMetadata",
     "MAX_AMX_ROWS",
@@ -60,6 +64,7 @@ __all__ = [
     "amx_matmul_reads",
     "blocked_matmul_cpu",
     "blocked_matmul_reads",
+    "dequantized_matrix",
     "empty_quantized_pages",
     "heads_split",
     "is_quantized",
@@ -75,6 +80,7 @@ __all__ = [
     "pool_partition_spec",
     "paged_attention",
     "paged_attention_gpu",
+    "quantize_panels_int8",
     "quantize_per_row",
     "ragged_attention",
     "ragged_paged_attention_reference",

@@ -5,16 +5,17 @@
 #define PAXKV_CPU_NATIVE_REGISTER_TILE_H_
 
 // acc[r][v] += x[r * k_size + k] * weights[k * weight_stride + v * kLanes] for k < depth, in order of k: each step
-// loads kVectors weight vectors and broadcasts kRows values of x, for kRows * kVectors independent multiply-adds.
-// `each_step(k)` runs once per step first (the panel kernel's prefetches ride on it).
-template <int64_t kRows, int64_t kVectors, typename EachStep>
-inline void AccumulateTile(Vec (&acc)[kRows][kVectors], const float* x, int64_t k_size, const float* weights,
+// loads kVectors weight vectors (f32, or int8 widened to f32: cpu_native_vectors.h's LoadValues) and broadcasts kRows
+// values of x, for kRows * kVectors independent multiply-adds. `each_step(k)` runs once per step first (the panel
+// kernel's prefetches ride on it).
+template <int64_t kRows, int64_t kVectors, typename Weight, typename EachStep>
+inline void AccumulateTile(Vec (&acc)[kRows][kVectors], const float* x, int64_t k_size, const Weight* weights,
                            int64_t weight_stride, int64_t depth, EachStep&& each_step) {
   for (int64_t k = 0; k < depth; ++k) {
     each_step(k);
-    const float* row = weights + k * weight_stride;
+    const Weight* row = weights + k * weight_stride;
     Vec loaded[kVectors];
-    for (int64_t v = 0; v < kVectors; ++v) loaded[v] = LoadVec(row + v * kLanes);
+    for (int64_t v = 0; v < kVectors; ++v) loaded[v] = LoadValues(row + v * kLanes);
     for (int64_t r = 0; r < kRows; ++r) {
       const Vec value = Splat(x[r * k_size + k]);
       for (int64_t v = 0; v < kVectors; ++v) acc[r][v] += value * loaded[v];

@@ -41,9 +41,10 @@ inline float LoadValue(const uint16_t* p) {
   return value;
 }
 
-// Broadcasting, and kLanes bf16 values widened to f32, by intrinsics on AVX2 and AVX-512: GCC's generic spellings
-// compile to an add before each broadcast and to a widening through the narrower registers (on a Xeon with AVX-512,
-// the blocked matmul's 30 SmolLM2 f32 MLPs at 32 rows took 42 ms with them, 36 with the intrinsics).
+// Broadcasting, and kLanes bf16 or int8 values widened to f32 (exactly), by intrinsics on AVX2 and AVX-512: GCC's
+// generic spellings compile to an add before each broadcast and to a widening through the narrower registers (on a
+// Xeon with AVX-512, the blocked matmul's 30 SmolLM2 f32 MLPs at 32 rows took 42 ms with them, 36 with the
+// intrinsics).
 inline Vec LoadValues(const float* p) { return LoadVec(p); }
 #if defined(__AVX2__) && !defined(__AVX512F__)
 inline Vec Splat(float x) { return (Vec)_mm256_set1_ps(x); }
@@ -51,11 +52,19 @@ inline Vec LoadValues(const uint16_t* p) {
   const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return (Vec)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
+inline Vec LoadValues(const int8_t* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return (Vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+}
 #elif defined(__AVX512F__)
 inline Vec Splat(float x) { return (Vec)_mm512_set1_ps(x); }
 inline Vec LoadValues(const uint16_t* p) {
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return (Vec)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+inline Vec LoadValues(const int8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (Vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
 }
 #else
 inline Vec Splat(float x) { return Vec{} + x; }
@@ -67,7 +76,26 @@ inline Vec LoadValues(const uint16_t* p) {
   __builtin_memcpy(&value, &bits, sizeof(value));
   return value;
 }
+inline Vec LoadValues(const int8_t* p) {
+  typedef int8_t ByteVec __attribute__((vector_size(kLanes)));
+  ByteVec bytes;
+  __builtin_memcpy(&bytes, p, sizeof(bytes));
+  return __builtin_convertvector(bytes, Vec);
+}
 #endif
+
+// a * b + c rounded once, spelled out: the compiler contracts `a * b + c` into one fused multiply-add in some
+// instantiations of a template and not in others, so a result would depend on the tile height that computed it.
+inline Vec MultiplyAdd(Vec a, Vec b, Vec c) {
+#if defined(__AVX512F__)
+  return (Vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__AVX2__) && defined(__FMA__)
+  return (Vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  for (int64_t i = 0; i < kLanes; ++i) c[i] = __builtin_fmaf(a[i], b[i], c[i]);
+  return c;
+#endif
+}
 
 // e^x for x <= 0, lane by lane, for any GCC vector V of f32 with IV its int32 vector: x = n ln2 + r with
 // |r| <= ln2 / 2, e^r by a degree-7 polynomial (its Taylor coefficients), 2^n put into the exponent bits. Below -87

@@ -15,6 +15,13 @@
 // 8-lane machines: 4 x 3 of 16, a panel as two halves). A tile's sums run over a depth block in registers and
 // continue through `out` across blocks, in the same order: each output sums over K in one order whatever the
 // batch's other rows are (batch invariance).
+//
+// int8 panels (weight-only quantization, PaxkvCpuPanelMatmulInt8) are widened to f32 as they are loaded, and carry an
+// f32 scale and min per group of kGroupRows contraction rows and column (w = scale * q + min): a group's sums start from
+// zero, and go into the total as scale * sums + min * (x's sum over the group), two fused multiply-adds spelled out so
+// that every tile height rounds alike. Few rows (decode) keep sums and total in registers over kGroupsFew groups, in
+// tiles of kGroupRowBlock rows; more rows take a block per group with kRowBlock-row tiles, the total through `out`.
+// Both do the same operations in the same order.
 
 #include <algorithm>
 #include <atomic>
@@ -23,6 +30,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -44,17 +52,24 @@ constexpr int64_t kTileWidth = kTileVectors * kLanes;        // 48 with AVX-512,
 constexpr int64_t kTilesAcross = kPanelWidth / kTileWidth;   // a panel's tiles side by side (1 or 2)
 constexpr int64_t kRowBlock = kLanes == 16 ? 8 : 4;          // x rows in a register tile
 constexpr int64_t kItemPanels = 4;                           // at most this many panels per work item
-// Up to kFewRows rows, all of them are multiplied with a panel kShallowBlock contraction rows (18 KiB) at a time: the
-// panel streams from memory, the arithmetic short. More rows are multiplied kRowChunk at a time, kDeepBlock
-// contraction rows at a time: fewer round trips of the sums through `out`, the panel in the second-level cache.
+// Up to kFewRows rows, all of them are multiplied with a panel kShallowBlock contraction rows (18 KiB of f32; int8
+// weights: kGroupsFew groups, 6 KiB) at a time: the panel streams from memory, the arithmetic short. More rows are
+// multiplied kRowChunk at a time, kDeepBlock contraction rows at a time: fewer round trips of the sums through `out`,
+// the panel in the second-level cache.
 constexpr int64_t kFewRows = 64;
 constexpr int64_t kShallowBlock = 96;
 constexpr int64_t kRowChunk = 32;
 constexpr int64_t kDeepBlock = 576;
 constexpr int64_t kCacheLine = 64;
 static_assert(kPanelWidth % kTileWidth == 0, "a panel is whole tiles wide");
-constexpr int64_t kTileLines = (kTileWidth * static_cast<int64_t>(sizeof(float)) + kCacheLine - 1) / kCacheLine;
 constexpr int64_t kFirstLevelAhead = 8;  // contraction steps
+// An int8 weight's contraction rows come in groups of kGroupRows, each with its own scale and min per column
+// (cpu_panel_matmul.py's INT8_GROUP_ROWS: a GGUF block's 32).
+constexpr int64_t kGroupRows = 32;
+constexpr int64_t kGroupsFew = 4;
+
+// Cache lines that `bytes` of a run span (rounded up).
+constexpr int64_t LinesOf(int64_t bytes) { return (bytes + kCacheLine - 1) / kCacheLine; }
 
 // Prefetches lines [next, last) of the run at `start` into the second-level cache, `per_step` of them with each
 // call of Step (the tile's contraction steps carry them, so the reads spread over the block's arithmetic).
@@ -69,15 +84,36 @@ struct Prefetcher {
   }
 };
 
+// An int8 weight's groups as one tile sees them: w = scale * q + min for each group of kGroupRows contraction rows and
+// column, so a group's part of an output is scale * (x . q) + min * (the sum of x over the group). Scales and mins
+// are laid out as the panels, [P, groups, kPanelWidth]: a panel's are one run, read as it streams (laid out
+// [groups, N], each group's were a cache miss 6 KiB from the last, and one-row steps ran at 60% of the speed).
+struct Groups {
+  const float* scales;  // the tile's first column in its first group; the next group's at + kPanelWidth
+  const float* mins;    // the same layout
+  const float* x_sums;  // x's group sums at the tile's first row and first group; row r at + r * num_groups
+  int64_t num_groups;
+};
+
+// One output vector's total after a group: the group's sums times its scales, plus x's group sum times its mins,
+// added to `prior` unless `fresh`: two fused multiply-adds, the same on every path.
+inline Vec AddGroup(Vec acc, Vec scale, Vec min, float x_sum, Vec prior, bool fresh) {
+  const Vec scaled = fresh ? acc * scale : MultiplyAdd(acc, scale, prior);
+  return MultiplyAdd(Splat(x_sum), min, scaled);
+}
+
 // out[r, 0 : kTileWidth] (+)= x[r, 0 : depth] @ panel[0 : depth, 0 : kTileWidth] for r < kRows, the sums in
-// registers; `first` starts them from zero, else from out. x rows are k_size apart, out rows n_size, panel rows
-// kPanelWidth.
-template <int64_t kRows>
-void Tile(const float* x, int64_t k_size, const float* panel, int64_t depth, float* out, int64_t n_size, bool first,
-          Prefetcher& prefetch) {
+// registers; `first` starts them from zero, else from out. An int8 weight (`groups` given) has one group per block:
+// its sums start from zero and go into out by AddGroup (stored, if `first`). x rows are k_size apart, out rows
+// n_size, panel rows kPanelWidth.
+template <int64_t kRows, typename Weight>
+void Tile(const float* x, int64_t k_size, const Weight* panel, int64_t depth, float* out, int64_t n_size, bool first,
+          const Groups* groups, Prefetcher& prefetch) {
+  constexpr int64_t kTileLines = LinesOf(kTileWidth * static_cast<int64_t>(sizeof(Weight)));
   Vec acc[kRows][kTileVectors];
+  const bool from_out = !first && groups == nullptr;
   for (int64_t r = 0; r < kRows; ++r) {
-    for (int64_t v = 0; v < kTileVectors; ++v) acc[r][v] = first ? Vec{} : LoadVec(out + r * n_size + v * kLanes);
+    for (int64_t v = 0; v < kTileVectors; ++v) acc[r][v] = from_out ? LoadVec(out + r * n_size + v * kLanes) : Vec{};
   }
   AccumulateTile(acc, x, k_size, panel, kPanelWidth, depth, [&prefetch, panel](int64_t k) {
     prefetch.Step();
@@ -87,39 +123,139 @@ void Tile(const float* x, int64_t k_size, const float* panel, int64_t depth, flo
     const char* ahead = reinterpret_cast<const char*>(panel + (k + kFirstLevelAhead) * kPanelWidth);
     for (int64_t line = 0; line < kTileLines; ++line) __builtin_prefetch(ahead + line * kCacheLine, 0, 3);
   });
+  if (groups != nullptr) {
+    for (int64_t v = 0; v < kTileVectors; ++v) {
+      const Vec scale = LoadVec(groups->scales + v * kLanes), min = LoadVec(groups->mins + v * kLanes);
+      for (int64_t r = 0; r < kRows; ++r) {
+        const Vec prior = first ? Vec{} : LoadVec(out + r * n_size + v * kLanes);
+        acc[r][v] = AddGroup(acc[r][v], scale, min, groups->x_sums[r * groups->num_groups], prior, first);
+      }
+    }
+  }
   for (int64_t r = 0; r < kRows; ++r) {
     for (int64_t v = 0; v < kTileVectors; ++v) StoreVec(out + r * n_size + v * kLanes, acc[r][v]);
   }
 }
 
 // Tile for the `rows` (< kRowBlock) x rows left after the full tiles, in one tile of that height.
-template <int64_t kRows>
-void RestTile(int64_t rows, const float* x, int64_t k_size, const float* panel, int64_t depth, float* out,
-              int64_t n_size, bool first, Prefetcher& prefetch) {
+template <int64_t kRows, typename Weight>
+void RestTile(int64_t rows, const float* x, int64_t k_size, const Weight* panel, int64_t depth, float* out,
+              int64_t n_size, bool first, const Groups* groups, Prefetcher& prefetch) {
   if constexpr (kRows > 0) {
-    if (rows == kRows) return Tile<kRows>(x, k_size, panel, depth, out, n_size, first, prefetch);
-    RestTile<kRows - 1>(rows, x, k_size, panel, depth, out, n_size, first, prefetch);
+    if (rows == kRows) return Tile<kRows>(x, k_size, panel, depth, out, n_size, first, groups, prefetch);
+    RestTile<kRows - 1>(rows, x, k_size, panel, depth, out, n_size, first, groups, prefetch);
   }
 }
 
-// out[T, P * kPanelWidth] = x[T, K] @ the panels, one work item per few consecutive panels (one contiguous run).
-// Few rows: panel by panel, all rows at once. More: kRowChunk rows at a time through every panel of the item (the
-// chunk of x stays in the second-level cache across the item's panels, as do the panels across chunks). The first
-// chunk's tiles prefetch the memory that follows each block.
-void MatmulPanels(ffi::ThreadPool& pool, const float* x, const float* panels, float* out, int64_t t_size,
-                  int64_t k_size, int64_t num_panels) {
+// An int8 weight's Tile for few rows, over a block of whole groups: each group's sums start from zero in registers and
+// go by AddGroup into the block's total, which stays in registers too and starts from out unless `first`. The same
+// operations in the same order as Tile's, block by block (a group a block, the total through out), so a row's result
+// is the same bits on both paths. Tiles are kGroupRowBlock rows high, to keep sums and totals in registers.
+constexpr int64_t kGroupRowBlock = kLanes == 16 ? 4 : 2;
+template <int64_t kRows>
+void GroupTile(const float* x, int64_t k_size, const int8_t* panel, int64_t depth, float* out, int64_t n_size,
+               bool first, const Groups& groups, Prefetcher& prefetch) {
+  constexpr int64_t kTileLines = LinesOf(kTileWidth);
+  Vec total[kRows][kTileVectors];
+  for (int64_t g0 = 0, g = 0; g0 < depth; g0 += kGroupRows, ++g) {
+    Vec acc[kRows][kTileVectors] = {};
+    const int8_t* group_panel = panel + g0 * kPanelWidth;
+    const int64_t rows = std::min(kGroupRows, depth - g0);
+    AccumulateTile(acc, x + g0, k_size, group_panel, kPanelWidth, rows, [&prefetch, group_panel](int64_t k) {
+      prefetch.Step();
+      const char* ahead = reinterpret_cast<const char*>(group_panel + (k + kFirstLevelAhead) * kPanelWidth);
+      for (int64_t line = 0; line < kTileLines; ++line) __builtin_prefetch(ahead + line * kCacheLine, 0, 3);
+    });
+    for (int64_t v = 0; v < kTileVectors; ++v) {
+      const Vec scale = LoadVec(groups.scales + g * kPanelWidth + v * kLanes);
+      const Vec min = LoadVec(groups.mins + g * kPanelWidth + v * kLanes);
+      for (int64_t r = 0; r < kRows; ++r) {
+        const bool fresh = g == 0 && first;
+        const Vec prior = g > 0 ? total[r][v] : first ? Vec{} : LoadVec(out + r * n_size + v * kLanes);
+        total[r][v] = AddGroup(acc[r][v], scale, min, groups.x_sums[r * groups.num_groups + g], prior, fresh);
+      }
+    }
+  }
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int64_t v = 0; v < kTileVectors; ++v) StoreVec(out + r * n_size + v * kLanes, total[r][v]);
+  }
+}
+
+// GroupTile for the `rows` (< kGroupRowBlock) x rows left after the full tiles.
+template <int64_t kRows>
+void RestGroupTile(int64_t rows, const float* x, int64_t k_size, const int8_t* panel, int64_t depth, float* out,
+                   int64_t n_size, bool first, const Groups& groups, Prefetcher& prefetch) {
+  if constexpr (kRows > 0) {
+    if (rows == kRows) return GroupTile<kRows>(x, k_size, panel, depth, out, n_size, first, groups, prefetch);
+    RestGroupTile<kRows - 1>(rows, x, k_size, panel, depth, out, n_size, first, groups, prefetch);
+  }
+}
+
+// One row's sum over each group of kGroupRows of its values, into sums[0, num_groups): whole groups kLanes at a time
+// (their vectors' lanes summed together by SumEachLane), the rest one by one; the same order whatever the batch is.
+void RowGroupSums(const float* row, int64_t k_size, int64_t num_groups, float* sums) {
+  static_assert(kGroupRows % kLanes == 0, "a group is whole vectors");
+  const int64_t whole = k_size / kGroupRows;  // groups without a ragged end
+  int64_t g = 0;
+  for (; g + kLanes <= whole; g += kLanes) {
+    Vec lanes[kLanes];
+    for (int64_t i = 0; i < kLanes; ++i) {
+      const float* group = row + (g + i) * kGroupRows;
+      lanes[i] = LoadVec(group);
+      for (int64_t k = kLanes; k < kGroupRows; k += kLanes) lanes[i] += LoadVec(group + k);
+    }
+    StoreVec(sums + g, SumEachLane(lanes));
+  }
+  for (; g < num_groups; ++g) {
+    const float* group = row + g * kGroupRows;
+    const int64_t width = std::min(kGroupRows, k_size - g * kGroupRows);
+    Vec lanes{};
+    int64_t k = 0;
+    for (; k + kLanes <= width; k += kLanes) lanes += LoadVec(group + k);
+    float sum = HorizontalSum(lanes);
+    for (; k < width; ++k) sum += group[k];
+    sums[g] = sum;
+  }
+}
+
+// x's group sums, [T, num_groups], rows split over the pool.
+std::vector<float> GroupSums(ffi::ThreadPool& pool, const float* x, int64_t t_size, int64_t k_size,
+                             int64_t num_groups) {
+  std::vector<float> sums(t_size * num_groups);
+  constexpr int64_t kRowsPerItem = 64;
+  auto rows = [&](int64_t item) {
+    for (int64_t t = item * kRowsPerItem; t < std::min(t_size, (item + 1) * kRowsPerItem); ++t) {
+      RowGroupSums(x + t * k_size, k_size, num_groups, sums.data() + t * num_groups);
+    }
+  };
+  ParallelFor(pool, (t_size + kRowsPerItem - 1) / kRowsPerItem, rows);
+  return sums;
+}
+
+// out[T, P * kPanelWidth] = x[T, K] @ the panels (an int8 weight's with `scales` and `mins`: see Groups), one work item
+// per few consecutive panels (one contiguous run). Few rows: panel by panel, all rows at once. More: kRowChunk rows at
+// a time through every panel of the item (the chunk of x stays in the second-level cache across the item's panels, as
+// do the panels across chunks). The first chunk's tiles prefetch the memory that follows each block.
+template <typename Weight>
+void MatmulPanels(ffi::ThreadPool& pool, const float* x, const Weight* panels, const float* scales, const float* mins,
+                  float* out, int64_t t_size, int64_t k_size, int64_t num_panels) {
   const int64_t n_size = num_panels * kPanelWidth;
   const int64_t item_panels = EvenItemSize(pool, num_panels, kItemPanels);
   const int64_t items = (num_panels + item_panels - 1) / item_panels;
-  const int64_t lines_per_row = kPanelWidth * static_cast<int64_t>(sizeof(float)) / kCacheLine;
-  const bool few = t_size <= kFewRows;
-  const int64_t row_chunk = few ? t_size : kRowChunk, depth_block = few ? kShallowBlock : kDeepBlock;
+  constexpr int64_t kRowBytes = kPanelWidth * static_cast<int64_t>(sizeof(Weight));  // a panel's contraction row
+  const bool few = t_size <= kFewRows, grouped = scales != nullptr;
+  const int64_t row_chunk = few ? t_size : kRowChunk;
+  // An int8 weight's blocks are whole groups: for few rows kGroupsFew of them (GroupTile keeps their sums in
+  // registers), for more one (Tile adds each group's part to out).
+  const int64_t depth_block = !grouped ? (few ? kShallowBlock : kDeepBlock) : few ? kGroupsFew * kGroupRows : kGroupRows;
+  const int64_t num_groups = (k_size + kGroupRows - 1) / kGroupRows;
+  const std::vector<float> x_sums = grouped ? GroupSums(pool, x, t_size, k_size, num_groups) : std::vector<float>();
   auto item = [&](int64_t i) {
     const int64_t p_begin = i * item_panels, p_end = std::min(num_panels, p_begin + item_panels);
     const char* item_end = reinterpret_cast<const char*>(panels + p_end * k_size * kPanelWidth);
     // Rows [t0, t0 + rows) of out's panel p.
     auto multiply = [&](int64_t p, int64_t t0, int64_t rows) {
-      const float* panel = panels + p * k_size * kPanelWidth;
+      const Weight* panel = panels + p * k_size * kPanelWidth;
       const int64_t row_tiles = (rows + kRowBlock - 1) / kRowBlock;
       for (int64_t k0 = 0; k0 < k_size; k0 += depth_block) {
         const int64_t depth = std::min(depth_block, k_size - k0);
@@ -128,22 +264,43 @@ void MatmulPanels(ffi::ThreadPool& pool, const float* x, const float* panels, fl
         // kernel; two ahead, even).
         const char* next = reinterpret_cast<const char*>(panel + (k0 + depth + depth_block) * kPanelWidth);
         const int64_t available = t0 == 0 ? std::max<int64_t>(0, (item_end - next) / kCacheLine) : 0;
-        const int64_t lines = std::min(available, depth_block * lines_per_row);
+        const int64_t lines = std::min(available, LinesOf(depth_block * kRowBytes));
         const int64_t steps = row_tiles * kTilesAcross * depth;
         Prefetcher prefetch{next, 0, lines, (lines + steps - 1) / steps};
         const bool first = k0 == 0;
         for (int64_t across = 0; across < kTilesAcross; ++across) {
-          const float* tile_panel = panel + k0 * kPanelWidth + across * kTileWidth;
+          const Weight* tile_panel = panel + k0 * kPanelWidth + across * kTileWidth;
           const float* tile_x = x + t0 * k_size + k0;
           float* tile_out = out + t0 * n_size + p * kPanelWidth + across * kTileWidth;
+          // The tile's groups at row t of this chunk (an int8 weight's).
+          auto groups_at = [&](int64_t t) {
+            const int64_t offset = (p * num_groups + k0 / kGroupRows) * kPanelWidth + across * kTileWidth;
+            return Groups{scales + offset, mins + offset, x_sums.data() + (t0 + t) * num_groups + k0 / kGroupRows,
+                          num_groups};
+          };
           int64_t t = 0;
+          if constexpr (sizeof(Weight) == 1) {
+            if (few) {
+              for (; t + kGroupRowBlock <= rows; t += kGroupRowBlock) {
+                GroupTile<kGroupRowBlock>(tile_x + t * k_size, k_size, tile_panel, depth, tile_out + t * n_size,
+                                          n_size, first, groups_at(t), prefetch);
+              }
+              if (t < rows) {
+                RestGroupTile<kGroupRowBlock - 1>(rows - t, tile_x + t * k_size, k_size, tile_panel, depth,
+                                                  tile_out + t * n_size, n_size, first, groups_at(t), prefetch);
+              }
+              continue;
+            }
+          }
           for (; t + kRowBlock <= rows; t += kRowBlock) {
+            const Groups groups = grouped ? groups_at(t) : Groups{};
             Tile<kRowBlock>(tile_x + t * k_size, k_size, tile_panel, depth, tile_out + t * n_size, n_size, first,
-                            prefetch);
+                            grouped ? &groups : nullptr, prefetch);
           }
           if (t < rows) {
+            const Groups groups = grouped ? groups_at(t) : Groups{};
             RestTile<kRowBlock - 1>(rows - t, tile_x + t * k_size, k_size, tile_panel, depth, tile_out + t * n_size,
-                                    n_size, first, prefetch);
+                                    n_size, first, grouped ? &groups : nullptr, prefetch);
           }
         }
       }
@@ -155,23 +312,50 @@ void MatmulPanels(ffi::ThreadPool& pool, const float* x, const float* panels, fl
   ParallelFor(pool, items, item);
 }
 
-ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
-                       ffi::ResultBuffer<ffi::F32> out) {
-  auto x_dims = x.dimensions();
-  auto p_dims = panels.dimensions();
+// Checks the operands' shapes: x[T, K] and panels[P, K, 48].
+ffi::Error CheckPanelShapes(ffi::Span<const int64_t> x_dims, ffi::Span<const int64_t> p_dims) {
   if (x_dims.size() != 2 || p_dims.size() != 3 || p_dims[2] != kPanelWidth) {
     return ffi::Error::InvalidArgument("expected x[T, K] and panels[P, K, 48]");
   }
+  if (p_dims[1] != x_dims[1]) {
+    return ffi::Error::InvalidArgument("the panels' contraction dimension does not match x's");
+  }
+  return ffi::Error::Success();
+}
+
+template <typename Weight>
+ffi::Error RunPanelMatmul(ffi::ThreadPool& pool, const float* x, ffi::Span<const int64_t> x_dims, const Weight* panels,
+                          ffi::Span<const int64_t> p_dims, const float* scales, const float* mins, float* result) {
+  if (ffi::Error error = CheckPanelShapes(x_dims, p_dims); error.failure()) return error;
   const int64_t t_size = x_dims[0], k_size = x_dims[1], num_panels = p_dims[0];
-  if (p_dims[1] != k_size) return ffi::Error::InvalidArgument("the panels' contraction dimension does not match x's");
-  float* result = out->typed_data();
   if (t_size == 0 || num_panels == 0) return ffi::Error::Success();
   if (k_size == 0) {
     std::fill(result, result + t_size * num_panels * kPanelWidth, 0.0f);
     return ffi::Error::Success();
   }
-  MatmulPanels(pool, x.typed_data(), panels.typed_data(), result, t_size, k_size, num_panels);
+  MatmulPanels(pool, x, panels, scales, mins, result, t_size, k_size, num_panels);
   return ffi::Error::Success();
+}
+
+ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
+                       ffi::ResultBuffer<ffi::F32> out) {
+  return RunPanelMatmul(pool, x.typed_data(), x.dimensions(), panels.typed_data(), panels.dimensions(), nullptr,
+                        nullptr, out->typed_data());
+}
+
+ffi::Error PanelMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
+                           ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> out) {
+  auto p_dims = panels.dimensions();
+  if (p_dims.size() == 3) {
+    for (auto dims : {scales.dimensions(), mins.dimensions()}) {
+      if (dims.size() != 3 || dims[0] != p_dims[0] || dims[1] != (p_dims[1] + kGroupRows - 1) / kGroupRows ||
+          dims[2] != kPanelWidth) {
+        return ffi::Error::InvalidArgument("expected scales and mins [P, ceil(K / 32), 48], one per group and column");
+      }
+    }
+  }
+  return RunPanelMatmul(pool, x.typed_data(), x.dimensions(), panels.typed_data(), p_dims, scales.typed_data(),
+                        mins.typed_data(), out->typed_data());
 }
 
 }  // namespace
@@ -181,4 +365,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuPanelMatmulF32, PanelMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()    // x: [T, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()    // panels: [P, K, 48]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out: [T, P * 48]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuPanelMatmulInt8, PanelMatmulInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // x: [T, K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()     // panels: [P, K, 48]
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // scales: [P, ceil(K / 32), 48]
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // mins: [P, ceil(K / 32), 48]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out: [T, P * 48]

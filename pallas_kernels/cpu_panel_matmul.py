@@ -14,6 +14,13 @@ the native kernels may not run (it folds the unpacking into the dot at 2048 rows
 91 ms at one).
 
 Numerics: f32 products and sums, each output summed over K in one order whatever the other rows are.
+
+int8 panels (weight-only quantization, quantize_panels_int8) hold q = round((w - min) / scale) with an f32 scale and
+min per column and group of INT8_GROUP_ROWS contraction rows, spanning the group's values in 256 levels. The groups are
+a GGUF block's 32 contraction rows, so a Q4_1 or Q8_0 checkpoint's weights come back within f32 rounding (a 4-bit
+block's 16 levels are every 17th of the 256). The kernel widens q to f32 as it reads it, sums x times it over a group,
+and adds scale times that sum plus min times x's sum over the group to the output: x @ (q * scale + min) up to f32
+rounding. At one row a weight streams 31% of the f32 bytes.
 """
 
 import jax
@@ -43,44 +50,106 @@ def pack_panels(weight: jax.Array) -> jax.Array:  # [K, N] -> [ceil(N / 48), K, 
     return padded.reshape(depth, num_panels, PANEL_WIDTH).transpose(1, 0, 2)
 
 
+INT8_GROUP_ROWS = 32  # contraction rows per scale and min (cpu_panel_matmul.cc's kGroupRows)
+
+
+def quantize_panels_int8(weight: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`weight` [K, N] as int8 panels s8[P, K, 48] and f32 scales and mins [P, G, 48] (laid out as the panels), one
+    per group of INT8_GROUP_ROWS contraction rows and column (G = ceil(K / 32); padding columns: zeros).
+
+    A group's 256 levels span its values in that column: scale = (max - min) / 255, level -128 is its min and 127 its
+    max, and every value rounds to the nearest level (a group of equal values has scale 0 and level -128).
+    """
+    weight = weight.astype(jnp.float32)
+    depth, columns = weight.shape
+    num_groups = -(-depth // INT8_GROUP_ROWS)
+    # The last group's missing rows repeat its last row, which moves neither its min nor its max.
+    grouped = jnp.pad(weight, ((0, num_groups * INT8_GROUP_ROWS - depth), (0, 0)), mode="edge")
+    grouped = grouped.reshape(num_groups, INT8_GROUP_ROWS, columns)
+    low, high = jnp.min(grouped, axis=1), jnp.max(grouped, axis=1)  # f32[G, N]
+    scales = (high - low) / 255
+    mins = low + 128 * scales  # the value of level 0
+    safe = jnp.where(scales > 0, scales, 1.0)[:, None, :]
+    levels = jnp.clip(jnp.round((grouped - low[:, None, :]) / safe) - 128, -128, 127).astype(jnp.int8)
+    panels = pack_panels(levels.reshape(-1, columns)[:depth])  # s8[P, K, 48]
+    return panels, pack_panels(scales), pack_panels(mins)
+
+
+def group_rows(per_group: jax.Array, depth: int) -> jax.Array:  # f32[K, N']
+    """Each contraction row's value of a [P, G, 48] per-group array, as [K, N']: row k takes group k // 32's."""
+    return jnp.repeat(unpack_panels(per_group, per_group.shape[0] * PANEL_WIDTH), INT8_GROUP_ROWS, axis=0)[:depth]
+
+
 def unpack_panels(panels: jax.Array, columns: int) -> jax.Array:  # [P, K, 48] -> [K, columns]
     """The [K, N] weight that pack_panels laid out (under jit, XLA folds this into the matmul that reads it)."""
     num_panels, depth, width = panels.shape
     return panels.transpose(1, 0, 2).reshape(depth, num_panels * width)[:, :columns]
 
 
-def panel_matmul_reference(x: jax.Array, panels: jax.Array, columns: int) -> jax.Array:  # f32[T, columns]
-    """x @ the unpacked weight in f32, in jnp.
+def dequantized_matrix(
+    panels: jax.Array, columns: int, scales: jax.Array | None = None, mins: jax.Array | None = None
+) -> jax.Array:  # f32[K, N]
+    """The [K, N] f32 weight that panels hold: pack_panels' as laid out, quantize_panels_int8's levels times their
+    scales plus their mins."""
+    matrix = unpack_panels(panels, columns)
+    if scales is None:
+        return matrix
+    depth = matrix.shape[0]
+    return matrix.astype(jnp.float32) * group_rows(scales, depth)[:, :columns] + group_rows(mins, depth)[:, :columns]
+
+
+def panel_matmul_reference(
+    x: jax.Array, panels: jax.Array, columns: int, scales: jax.Array | None = None, mins: jax.Array | None = None
+) -> jax.Array:  # f32[T, columns]
+    """x @ the unpacked (and dequantized) weight in f32, in jnp.
 
     Args:
       x: f32[T, K] activation rows.
-      panels: f32[P, K, 48], a weight as pack_panels laid it out.
+      panels: f32[P, K, 48] from pack_panels, or s8[P, K, 48] from quantize_panels_int8.
       columns: N, the weight's columns before padding.
+      scales, mins: f32[P, ceil(K / 32), 48], the int8 panels' group scales and mins (None for f32 panels).
     """
-    return jnp.dot(x, unpack_panels(panels, columns), precision=jax.lax.Precision.HIGHEST)
+    return jnp.dot(x, dequantized_matrix(panels, columns, scales, mins), precision=jax.lax.Precision.HIGHEST)
 
 
-def panel_matmul_cpu(x: jax.Array, panels: jax.Array, columns: int) -> jax.Array:  # f32[T, columns]
-    """panel_matmul_reference through the native kernel (f32 x and panels, any T, on CPU).
+def panel_matmul_cpu(
+    x: jax.Array, panels: jax.Array, columns: int, scales: jax.Array | None = None, mins: jax.Array | None = None
+) -> jax.Array:  # f32[T, columns]
+    """panel_matmul_reference through the native kernel (f32 x; f32 panels, or int8 ones with their scales; any T;
+    on CPU).
 
     Args:
       x: f32[T, K] activation rows.
-      panels: f32[P, K, 48], a weight as pack_panels laid it out.
+      panels: f32[P, K, 48] from pack_panels, or s8[P, K, 48] from quantize_panels_int8.
       columns: N, the weight's columns before padding (the kernel's padding columns are dropped).
+      scales, mins: f32[P, ceil(K / 32), 48], the int8 panels' group scales and mins (None for f32 panels).
     """
     error = native_kernel_error()
     if error is not None:
         raise RuntimeError(f"the native CPU matmul cannot run: {error}")
     rows, depth = x.shape
-    if panels.ndim != 3 or panels.shape[1:] != (depth, PANEL_WIDTH) or jnp.dtype(panels.dtype) != jnp.float32:
+    dtype = jnp.dtype(panels.dtype)
+    quantized = dtype == jnp.int8
+    if panels.ndim != 3 or panels.shape[1:] != (depth, PANEL_WIDTH) or dtype not in PANEL_MATMUL_TARGETS:
         raise ValueError(
-            f"the panel matmul takes x[T, K] in f32 and f32 panels[P, K, {PANEL_WIDTH}] from pack_panels; got x "
+            f"the panel matmul takes x[T, K] in f32 and f32 or int8 panels[P, K, {PANEL_WIDTH}]; got x "
             f"{list(x.shape)} {x.dtype} and panels {list(panels.shape)} {panels.dtype}"
         )
-    if not 0 <= columns <= panels.shape[0] * PANEL_WIDTH:
-        raise ValueError(f"columns={columns} does not fit {panels.shape[0]} panels of {PANEL_WIDTH}")
-    target, _ = PANEL_MATMUL_TARGETS[jnp.dtype(jnp.float32)]
     padded = panels.shape[0] * PANEL_WIDTH
+    num_groups = -(-depth // INT8_GROUP_ROWS)
+    groups = (scales, mins)
+    shapes = [None if a is None else tuple(a.shape) for a in groups]
+    expected = (panels.shape[0], num_groups, PANEL_WIDTH)
+    if shapes != ([expected] * 2 if quantized else [None, None]):
+        raise ValueError(
+            f"int8 panels take scales and mins f32{list(expected)} (one per group of {INT8_GROUP_ROWS} contraction "
+            f"rows and column, from quantize_panels_int8) and f32 panels neither; got {dtype} panels, scales and "
+            f"mins of shapes {shapes}"
+        )
+    if not 0 <= columns <= padded:
+        raise ValueError(f"columns={columns} does not fit {panels.shape[0]} panels of {PANEL_WIDTH}")
+    target, _ = PANEL_MATMUL_TARGETS[dtype]
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, padded), jnp.float32))
-    out = call(x.astype(jnp.float32), panels)
+    operands = (x.astype(jnp.float32), panels) + tuple(a.astype(jnp.float32) for a in groups if quantized)
+    out = call(*operands)
     return out if columns == padded else out[:, :columns]

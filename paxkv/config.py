@@ -234,6 +234,14 @@ class LoadConfig:
     the `paxkv` command line; LLM takes the same names as keyword arguments."""
 
     dtype: str = option("float32", "Parameter storage dtype.", choices=("float32", "bfloat16"))
+    quantization: str = option(
+        "none",
+        "Weight quantization: none, or int8 (weight-only: every projection and the tied embedding as int8 with an "
+        "f32 scale and min per 32 contraction rows and output column, f32 activations and sums; the native CPU "
+        "matmul on one device, f32 dtype). 31% of f32's weight bytes per decode step; "
+        "scripts/eval_weight_quality.py measures its quality.",
+        choices=("none", "int8"),
+    )
     attention_impl: str = option(
         "auto",
         "Attention implementation: the backend's kernel (on CPU the native one where it builds), a Pallas kernel, "

@@ -2,6 +2,8 @@
 cpu_panel_matmul.cc) against exact sums, and a model whose projections are stored as panels against the same model
 unpacked."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +13,24 @@ from matmul_cases import check_within_summation_error, random_case
 
 import models
 from models.layers import project
-from models.packed_weights import PanelWeight, num_parameters, pack_projections, panels_pay_here, unpacked_state
-from pallas_kernels import PANEL_WIDTH, pack_panels, panel_matmul_cpu, panel_matmul_reference, unpack_panels
+from models.packed_weights import (
+    PROJECTION_CONTRACTED_AXES,
+    PanelWeight,
+    num_parameters,
+    pack_projections,
+    panels_pay_here,
+    unpacked_state,
+)
+from pallas_kernels import (
+    INT8_GROUP_ROWS,
+    PANEL_WIDTH,
+    dequantized_matrix,
+    pack_panels,
+    panel_matmul_cpu,
+    panel_matmul_reference,
+    quantize_panels_int8,
+    unpack_panels,
+)
 from pallas_kernels.native_library import native_kernel_error
 
 needs_native = pytest.mark.skipif(native_kernel_error() is not None, reason="the native CPU kernels do not build here")
@@ -147,3 +165,162 @@ def test_only_native_f32_models_on_one_device_are_packed():
     before = jax.tree.leaves(bf16.state)
     bf16.pack_for_native_matmul()  # nothing f32 to pack: the state keeps its arrays
     assert all(a is b for a, b in zip(before, jax.tree.leaves(bf16.state), strict=True))
+
+
+def _int8_case(seed: int, rows: int, depth: int, columns: int):
+    """x f32[rows, depth], a weight's int8 panels, scales and mins, the exact product with the dequantized weight (in
+    float64), and the f32 error bound (depth + 3) * eps * (|x| @ (|q| * scale + |min|)): a group's two sums (at most
+    32 terms each), the two multiply-adds that take it into the total, and the sum over groups."""
+    x, weight = random_case(seed, rows, depth, columns, "float32", False)
+    panels, scales, mins = quantize_panels_int8(weight)
+    levels = np.asarray(unpack_panels(panels, columns), np.float64)  # the int8 values, [K, N]
+    row_scales, row_mins = (
+        np.repeat(np.asarray(unpack_panels(a, columns), np.float64), INT8_GROUP_ROWS, axis=0)[:depth]
+        for a in (scales, mins)
+    )
+    x64 = np.asarray(x, np.float64)
+    magnitude = np.abs(x64) @ (np.abs(levels) * row_scales + np.abs(row_mins))
+    bound = (depth + 3) * np.finfo(np.float32).eps * magnitude
+    return x, (panels, scales, mins), x64 @ (levels * row_scales + row_mins), bound
+
+
+def test_int8_quantization_spans_each_group_in_256_levels():
+    """A scale and min per group of 32 contraction rows and column (70 rows: groups of 32, 32 and 6): level -128 is the
+    group's min and 127 its max, every value within half a step of its level; a constant group has scale 0 and comes
+    back exactly; an outlier widens only its own group; padding columns are zeros. A weight already on a 4-bit grid per
+    32-row block (GGUF Q4_1's d * q + m) comes back within f32 rounding."""
+    rng = np.random.default_rng(4)
+    weight = rng.standard_normal((70, 100)).astype(np.float32) * np.linspace(0.01, 3.0, 100, dtype=np.float32)
+    weight[:, 17] = 0.25
+    weight[5, 40] = 50.0
+    panels, scales, mins = quantize_panels_int8(jnp.asarray(weight))
+    assert panels.dtype == jnp.int8 and panels.shape == (3, 70, PANEL_WIDTH)
+    assert scales.shape == mins.shape == (3, 3, PANEL_WIDTH)  # laid out as the panels: [P, G, 48]
+    scales, mins = (np.asarray(unpack_panels(a, 3 * PANEL_WIDTH)) for a in (scales, mins))  # [G, N']
+    levels = np.asarray(unpack_panels(panels, 100)).astype(np.float64)
+    for g, rows in enumerate((slice(0, 32), slice(32, 64), slice(64, 70))):
+        group = weight[rows].astype(np.float64)
+        np.testing.assert_allclose(scales[g, :100], (group.max(axis=0) - group.min(axis=0)) / 255, rtol=1e-5)
+        spanned = scales[g, :100] > 0
+        assert np.all(levels[rows].min(axis=0)[spanned] == -128) and np.all(levels[rows].max(axis=0)[spanned] == 127)
+    assert np.all(scales[:, 17] == 0) and np.all(levels[:, 17] == -128) and np.all(mins[:, 17] == np.float32(0.25))
+    assert scales[0, 40] > 50.0 / 255 and scales[1, 40] < 3.0 * 8 / 255
+    assert np.all(scales[:, 100:] == 0) and np.all(mins[:, 100:] == 0)
+    row_scales, row_mins = (np.repeat(a[:, :100], INT8_GROUP_ROWS, axis=0)[:70] for a in (scales, mins))
+    assert np.all(np.abs(levels * row_scales + row_mins - weight) <= row_scales / 2 * (1 + 1e-4) + 1e-6)
+    np.testing.assert_array_equal(np.asarray(panels)[2, :, 100 - 2 * PANEL_WIDTH :], 0)  # padding columns
+    # A Q4_1-like weight: each 32-row block of a column is d * q + m for q in 0..15 (all 16 levels used).
+    step = rng.uniform(0.01, 0.1, (2, 1, 50))
+    low = rng.uniform(-1, 0, (2, 1, 50))
+    grid = np.stack([rng.permutation(np.tile(np.arange(16), 2)) for _ in range(100)], axis=1).T.reshape(2, 50, 32)
+    q4 = (low + step * grid.transpose(0, 2, 1)).reshape(64, 50).astype(np.float32)
+    back = np.asarray(dequantized_matrix(*_first_and_rest(quantize_panels_int8(jnp.asarray(q4)), 50)))
+    np.testing.assert_allclose(back, q4, rtol=0, atol=4 * np.finfo(np.float32).eps * np.abs(q4).max())
+
+
+def _first_and_rest(packed, columns):
+    """(panels, columns, scales, mins) from quantize_panels_int8's (panels, scales, mins)."""
+    panels, scales, mins = packed
+    return panels, columns, scales, mins
+
+
+@needs_native
+def test_int8_panels_are_within_f32_error_of_the_exact_product_with_the_dequantized_weight():
+    """Every shape and row count (the few-row path's register groups, the chunked path's group blocks), and the jnp
+    reference, against x @ (levels * scales + mins) in float64."""
+    for index, (depth, columns) in enumerate(SHAPES):
+        for rows in ROWS:
+            x, (panels, scales, mins), exact, bound = _int8_case(index * 1000 + rows, rows, depth, columns)
+            out = np.asarray(panel_matmul_cpu(x, panels, columns, scales, mins))
+            assert out.shape == (rows, columns)
+            assert np.all(np.abs(out - exact) <= bound), (depth, columns, rows)
+        expected = np.asarray(panel_matmul_reference(x, panels, columns, scales, mins))
+        assert np.all(np.abs(expected - exact) <= bound), (depth, columns)
+
+
+@needs_native
+def test_an_int8_rows_result_does_not_depend_on_the_other_rows():
+    """Batch invariance with int8 panels, bit for bit, as for f32 ones: the few-row path (register groups, 4-row
+    tiles) and the chunked path (a block per group, 8-row tiles) do the same operations in the same order."""
+    x, (panels, scales, mins), _, _ = _int8_case(12, 100, 1536, 576)
+    together = np.asarray(panel_matmul_cpu(x, panels, 576, scales, mins))
+    np.testing.assert_array_equal(np.asarray(panel_matmul_cpu(x[:40], panels, 576, scales, mins)), together[:40])
+    for row in (0, 3, 4, 7, 8, 39, 99):
+        alone = np.asarray(panel_matmul_cpu(x[row : row + 1], panels, 576, scales, mins))
+        np.testing.assert_array_equal(alone[0], together[row])
+
+
+@needs_native
+def test_int8_panels_without_their_scales_or_f32_panels_with_scales_are_refused():
+    x, (panels, scales, mins), _, _ = _int8_case(13, 4, 64, 96)
+    with pytest.raises(ValueError, match="scales and mins"):
+        panel_matmul_cpu(x, panels, 96)
+    with pytest.raises(ValueError, match="scales and mins"):
+        panel_matmul_cpu(x, panels, 96, scales)
+    with pytest.raises(ValueError, match="scales and mins"):
+        panel_matmul_cpu(x, panels, 96, scales[:1], mins[:1])
+    with pytest.raises(ValueError, match="scales and mins"):
+        panel_matmul_cpu(x, pack_panels(jnp.ones((64, 96))), 96, scales, mins)
+
+
+def _as_matrix(path, value: np.ndarray) -> np.ndarray:
+    """A packed parameter as the [K, N] matrix its panels hold (a tied embedding's transpose: a column per token)."""
+    name = str(path[-1])
+    if name == "embed":
+        return value.T
+    contracted = PROJECTION_CONTRACTED_AXES[name]
+    return value.reshape(math.prod(value.shape[:contracted]), -1)
+
+
+@needs_native
+@pytest.mark.parametrize("tied", [False, True], ids=["own_lm_head", "tied_embedding"])
+def test_an_int8_model_computes_exactly_its_dequantized_weights(tiny_llama_checkpoint, tied):
+    """models.load(quantization="int8"): every projection (and the tied embedding, whose token rows are scaled too)
+    is int8 panels. Its logits equal, within f32 rounding, those of the f32 model whose weights are the dequantized
+    ones (the same values, multiplied by XLA), and its greedy tokens are the same; those dequantized weights lie
+    within half a step of the originals. The engine's greedy tokens equal the model's own paged decoding."""
+    checkpoint = tiny_llama_checkpoint(max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=tied)
+    original = models.load(checkpoint, attention_impl="cpu_native", require_tokenizer=False)
+    quantized = models.load(checkpoint, attention_impl="cpu_native", require_tokenizer=False, quantization="int8")
+    assert quantized.quantization == "int8"
+    flat = dict(nnx.to_flat_state(quantized.state))
+    gate, embed = (flat[path].get_value() for path in [("layers", 0, "mlp", "gate"), ("embed",)])
+    assert isinstance(gate, PanelWeight) and gate.dtype == jnp.int8 and gate.scales is not None
+    assert isinstance(embed, PanelWeight) == tied
+    dequantized = models.LoadedModel(**{**quantized.__dict__, "state": unpacked_state(quantized.state)})
+    originals = {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(original.state)}
+    for path, variable in nnx.to_flat_state(dequantized.state):
+        value, before = np.asarray(variable.get_value()), originals[path]
+        if not isinstance(flat[path].get_value(), PanelWeight):
+            np.testing.assert_array_equal(value, before)
+            continue
+        value, before = _as_matrix(path, value), _as_matrix(path, before)  # [K, N]: levels per group and column
+        groups = np.arange(before.shape[0]) // INT8_GROUP_ROWS
+        spans = [np.ptp(before[groups == g], axis=0) for g in groups]  # each row's group's range
+        step = np.stack(spans) / 255
+        assert np.all(np.abs(value - before) <= step / 2 * (1 + 1e-4) + 1e-6), path
+    ids = [5, 17, 99, 3, 42, 7, 255, 0]
+    np.testing.assert_allclose(quantized.score(ids), dequantized.score(ids), rtol=0, atol=1e-4)
+    tokens = quantized.greedy_generate(ids, 8, stop_at_eos=False)
+    assert dequantized.greedy_generate(ids, 8, stop_at_eos=False) == tokens
+    from paxkv import LLM, SamplingParams
+
+    llm = LLM(
+        checkpoint,
+        attention_impl="cpu_native",
+        quantization="int8",
+        skip_tokenizer_init=True,
+        kv_cache_memory_bytes=1 << 22,
+    )
+    output = llm.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert list(output[0].outputs[0].token_ids) == tokens
+
+
+def test_quantization_that_cannot_run_here_is_refused_naming_the_fix(tiny_llama_checkpoint):
+    checkpoint = tiny_llama_checkpoint()
+    with pytest.raises(ValueError, match="dtype='float32'"):
+        models.load(checkpoint, dtype="bfloat16", quantization="int8", require_tokenizer=False)
+    with pytest.raises(ValueError, match="native CPU matmul.*Drop the quantization"):
+        models.load(checkpoint, attention_impl="xla", quantization="int8", require_tokenizer=False)
+    with pytest.raises(ValueError, match="'none' or 'int8'"):
+        models.load(checkpoint, quantization="int4", require_tokenizer=False)

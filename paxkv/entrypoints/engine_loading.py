@@ -15,12 +15,14 @@ def load_engine(model, engine_config: EngineConfig, load_config: LoadConfig) -> 
     Args:
       model: anything models.load accepts; None is the embedded SmolLM2.
       engine_config: the engine's pool, budgets and mesh.
-      load_config: the weights' dtype, the attention implementation, and whether a tokenizer is needed.
+      load_config: the weights' dtype and quantization, the attention implementation, and whether a tokenizer is
+        needed.
     """
     loaded = load_on_mesh(
         model,
         engine_config.mesh_shape,
         dtype=load_config.dtype,
+        quantization=load_config.quantization,
         attention_impl=load_config.attention_impl,
         allow_nonfinite_weights=load_config.allow_nonfinite_weights,
         require_tokenizer=not load_config.skip_tokenizer_init,

@@ -18,6 +18,7 @@ class LLM:
         model=None,
         *,
         dtype: str = "float32",
+        quantization: str | None = None,
         skip_tokenizer_init: bool = False,
         attention_impl: str = "auto",
         allow_nonfinite_weights: bool = False,
@@ -28,6 +29,8 @@ class LLM:
         Args:
           model: anything models.load accepts; None is the embedded SmolLM2.
           dtype: parameter storage dtype.
+          quantization: None, or "int8" for weight-only int8 projections (an f32 scale and min per group of 32
+            weights; the native CPU matmul on one device; LoadConfig.quantization).
           skip_tokenizer_init: load weights only (as vLLM's flag); prompts must then be token-id lists.
           attention_impl: auto | pallas | interpret | cpu_native | xla.
           allow_nonfinite_weights: load weights holding NaN or Inf instead of refusing them.
@@ -36,6 +39,7 @@ class LLM:
         """
         load_config = LoadConfig(
             dtype=dtype,
+            quantization=quantization or "none",
             attention_impl=attention_impl,
             skip_tokenizer_init=skip_tokenizer_init,
             allow_nonfinite_weights=allow_nonfinite_weights,
