@@ -51,8 +51,8 @@ PROJECTION_CONTRACTED_AXES = {
 class PanelWeight:
     """A projection weight of `shape` stored as column panels of its [K, N] matrix (K = the product of its first
     `contracted` axes; with `transposed`, the weight is [N, K], a tied embedding whose rows are tokens' vectors): f32,
-    or int8 with one f32 scale per column; models.layers.project multiplies it without unpacking on the native CPU
-    path."""
+    or int8 with an f32 scale and min per group of 32 contraction rows and column; models.layers.project multiplies it
+    without unpacking on the native CPU path."""
 
     panels: jax.Array  # f32 or s8[ceil(N / 48), K, 48]
     shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))

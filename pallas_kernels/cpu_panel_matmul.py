@@ -16,11 +16,11 @@ the native kernels may not run (it folds the unpacking into the dot at 2048 rows
 Numerics: f32 products and sums, each output summed over K in one order whatever the other rows are.
 
 int8 panels (weight-only quantization, quantize_panels_int8) hold q = round((w - min) / scale) with an f32 scale and
-min per column and group of INT8_GROUP_ROWS contraction rows, spanning the group's values in 256 levels. The groups are
-a GGUF block's 32 contraction rows, so a Q4_1 or Q8_0 checkpoint's weights come back within f32 rounding (a 4-bit
-block's 16 levels are every 17th of the 256). The kernel widens q to f32 as it reads it, sums x times it over a group,
-and adds scale times that sum plus min times x's sum over the group to the output: x @ (q * scale + min) up to f32
-rounding. At one row a weight streams 31% of the f32 bytes.
+min per column and group of INT8_GROUP_ROWS contraction rows, spanning the group's values in 256 levels. The groups
+are a GGUF block's 32 contraction rows: a Q4_1 block that uses its lowest and highest levels comes back within f32
+rounding (its 16 levels are every 17th of the 256), and any other weight within half a step. The kernel widens q to
+f32 as it reads it, sums x times it over a group, and adds scale times that sum plus min times x's sum over the group
+to the output: x @ (q * scale + min) up to f32 rounding. At one row a weight streams 31% of the f32 bytes.
 """
 
 import jax
