@@ -240,11 +240,13 @@ def test_int8_panels_are_within_f32_error_of_the_exact_product_with_the_dequanti
 
 @needs_native
 def test_an_int8_rows_result_does_not_depend_on_the_other_rows():
-    """Batch invariance with int8 panels, bit for bit, as for f32 ones: the few-row path (register groups, 4-row
-    tiles) and the chunked path (a block per group, 8-row tiles) do the same operations in the same order."""
+    """Batch invariance with int8 panels, bit for bit, as for f32 ones: under 8 rows (register groups, 4-row tiles and
+    the rest) and from 8 rows on (a block per group, 8-row tiles, chunked past 64 rows) do the same operations in the
+    same order."""
     x, (panels, scales, mins), _, _ = _int8_case(12, 100, 1536, 576)
     together = np.asarray(panel_matmul_cpu(x, panels, 576, scales, mins))
     np.testing.assert_array_equal(np.asarray(panel_matmul_cpu(x[:40], panels, 576, scales, mins)), together[:40])
+    np.testing.assert_array_equal(np.asarray(panel_matmul_cpu(x[:5], panels, 576, scales, mins)), together[:5])
     for row in (0, 3, 4, 7, 8, 39, 99):
         alone = np.asarray(panel_matmul_cpu(x[row : row + 1], panels, 576, scales, mins))
         np.testing.assert_array_equal(alone[0], together[row])
