@@ -214,14 +214,9 @@ def test_int8_quantization_spans_each_group_in_256_levels():
     low = rng.uniform(-1, 0, (2, 1, 50))
     grid = np.stack([rng.permutation(np.tile(np.arange(16), 2)) for _ in range(100)], axis=1).T.reshape(2, 50, 32)
     q4 = (low + step * grid.transpose(0, 2, 1)).reshape(64, 50).astype(np.float32)
-    back = np.asarray(dequantized_matrix(*_first_and_rest(quantize_panels_int8(jnp.asarray(q4)), 50)))
+    q4_panels, q4_scales, q4_mins = quantize_panels_int8(jnp.asarray(q4))
+    back = np.asarray(dequantized_matrix(q4_panels, 50, q4_scales, q4_mins))
     np.testing.assert_allclose(back, q4, rtol=0, atol=4 * np.finfo(np.float32).eps * np.abs(q4).max())
-
-
-def _first_and_rest(packed, columns):
-    """(panels, columns, scales, mins) from quantize_panels_int8's (panels, scales, mins)."""
-    panels, scales, mins = packed
-    return panels, columns, scales, mins
 
 
 @needs_native
