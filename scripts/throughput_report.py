@@ -8,8 +8,8 @@ WEIGHT_BYTES = {
     "paxkv_bf16": 2,
     "paxkv_baseline_bf16": 2,
     "vllm_bf16": 2,
-    "paxkv_int8": 1,
-}  # bytes per weight of each system; 4 (f32) unless named; llama.cpp's are its own
+    "paxkv_int8": 1 + 2 * 4 / 32,  # a level, plus an f32 scale and min per 32 contraction rows and column
+}  # bytes a weight reads of each system; 4 (f32) unless named; llama.cpp's are its own
 # paxkv with narrower weights than f32: each gets a column of its speed over every other system's.
 NARROW_PAXKV = ("paxkv_bf16", "paxkv_int8")
 

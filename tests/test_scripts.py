@@ -410,6 +410,18 @@ def test_throughput_report_gives_bf16_its_own_ratio_column(monkeypatch):
     assert "not an equal-precision peer" in table
 
 
+def test_throughput_report_counts_int8_scales_and_mins_in_the_decode_share(monkeypatch):
+    """An int8 weight reads a byte plus its group's f32 scale and min (8 bytes per 32 weights): 1.25 bytes."""
+    monkeypatch.syspath_prepend(SCRIPTS)
+    import throughput_report
+
+    row = dict(system="paxkv_int8", model="smollm2", batch=2, prompt_len=100, new_tokens=100, decode_ms_per_step=20.0)
+    result = dict(roofline_gflops=100.0, read_bandwidth_gbs=10.0)
+    # 1e8 weights x 1.25 bytes + 2 x 150 x 1000 KV bytes at 1e10 B/s: 12.53 ms (above 4 ms of FLOPs) over 20 ms.
+    shares = throughput_report.roofline_shares(row, 1e8, 1000, result)
+    assert shares["decode_roofline_share"] == pytest.approx(0.6265)
+
+
 def test_throughput_report_shares_llamacpp_row_and_skipped_models(monkeypatch):
     """Roofline shares follow their definition (a prompt token multiplies the layers' weights, a generated one the
     lm_head's too); llama.cpp rows get a ratio but no share, and say what they are; a model llama.cpp cannot run
