@@ -16,6 +16,11 @@
 // continue through `out` across blocks, in the same order: each output sums over K in one order whatever the
 // batch's other rows are (batch invariance).
 //
+// The tiles read x packed tile by tile, each step's rows side by side (PackRowTiles, once per call): broadcasting from
+// one pointer at constant offsets. Read in place, a tile's 8 row pointers outgrew the general registers, and every
+// step moved them through the stack and vector registers (30 SmolLM2 MLPs on a 2-core Zen 4, 32 / 256 / 2048 rows:
+// 170 / 200 / 200 -> 179 / 214 / 208 GFLOP/s).
+//
 // int8 panels (weight-only quantization, PaxkvCpuPanelMatmulInt8) are widened to f32 as they are loaded, and carry an
 // f32 scale and min per group of kGroupRows contraction rows and column (w = scale * q + min): a group's sums start from
 // zero, and go into the total as scale * sums + min * (x's sum over the group), two fused multiply-adds spelled out so
@@ -104,10 +109,10 @@ inline Vec AddGroup(Vec acc, Vec scale, Vec min, float x_sum, Vec prior, bool fr
 
 // out[r, 0 : kTileWidth] (+)= x[r, 0 : depth] @ panel[0 : depth, 0 : kTileWidth] for r < kRows, the sums in
 // registers; `first` starts them from zero, else from out. An int8 weight (`groups` given) has one group per block:
-// its sums start from zero and go into out by AddGroup (stored, if `first`). x rows are k_size apart, out rows
-// n_size, panel rows kPanelWidth.
+// its sums start from zero and go into out by AddGroup (stored, if `first`). x is the tile's rows packed step by step
+// from the block's first step (PackRowTiles: x[k * kRows + r]), out rows are n_size apart, panel rows kPanelWidth.
 template <int64_t kRows, typename Weight>
-void Tile(const float* x, int64_t k_size, const Weight* panel, int64_t depth, float* out, int64_t n_size, bool first,
+void Tile(const float* x, const Weight* panel, int64_t depth, float* out, int64_t n_size, bool first,
           const Groups* groups, Prefetcher& prefetch) {
   constexpr int64_t kTileLines = LinesOf(kTileWidth * static_cast<int64_t>(sizeof(Weight)));
   Vec acc[kRows][kTileVectors];
@@ -115,7 +120,7 @@ void Tile(const float* x, int64_t k_size, const Weight* panel, int64_t depth, fl
   for (int64_t r = 0; r < kRows; ++r) {
     for (int64_t v = 0; v < kTileVectors; ++v) acc[r][v] = from_out ? LoadVec(out + r * n_size + v * kLanes) : Vec{};
   }
-  AccumulateTile(acc, x, k_size, panel, kPanelWidth, depth, [&prefetch, panel](int64_t k) {
+  AccumulateTile<kRows, kTileVectors, true>(acc, x, 0, panel, kPanelWidth, depth, [&prefetch, panel](int64_t k) {
     prefetch.Step();
     // The panel's rows kFirstLevelAhead steps on, into the first-level cache: a panel (576 x 48 floats of SmolLM2's
     // gate) outgrows that cache, and its tiles re-read it from the second level, or the first one from beyond. 30
@@ -139,11 +144,11 @@ void Tile(const float* x, int64_t k_size, const Weight* panel, int64_t depth, fl
 
 // Tile for the `rows` (< kRowBlock) x rows left after the full tiles, in one tile of that height.
 template <int64_t kRows, typename Weight>
-void RestTile(int64_t rows, const float* x, int64_t k_size, const Weight* panel, int64_t depth, float* out,
-              int64_t n_size, bool first, const Groups* groups, Prefetcher& prefetch) {
+void RestTile(int64_t rows, const float* x, const Weight* panel, int64_t depth, float* out, int64_t n_size,
+              bool first, const Groups* groups, Prefetcher& prefetch) {
   if constexpr (kRows > 0) {
-    if (rows == kRows) return Tile<kRows>(x, k_size, panel, depth, out, n_size, first, groups, prefetch);
-    RestTile<kRows - 1>(rows, x, k_size, panel, depth, out, n_size, first, groups, prefetch);
+    if (rows == kRows) return Tile<kRows>(x, panel, depth, out, n_size, first, groups, prefetch);
+    RestTile<kRows - 1>(rows, x, panel, depth, out, n_size, first, groups, prefetch);
   }
 }
 
@@ -153,8 +158,8 @@ void RestTile(int64_t rows, const float* x, int64_t k_size, const Weight* panel,
 // is the same bits on both paths. Tiles are kGroupRowBlock rows high, to keep sums and totals in registers.
 constexpr int64_t kGroupRowBlock = kLanes == 16 ? 4 : 2;
 template <int64_t kRows>
-void GroupTile(const float* x, int64_t k_size, const int8_t* panel, int64_t depth, float* out, int64_t n_size,
-               bool first, const Groups& groups, Prefetcher& prefetch) {
+void GroupTile(const float* x, const int8_t* panel, int64_t depth, float* out, int64_t n_size, bool first,
+               const Groups& groups, Prefetcher& prefetch) {
   Vec total[kRows][kTileVectors];
   for (int64_t g0 = 0, g = 0; g0 < depth; g0 += kGroupRows, ++g) {
     Vec acc[kRows][kTileVectors] = {};
@@ -162,7 +167,8 @@ void GroupTile(const float* x, int64_t k_size, const int8_t* panel, int64_t dept
     const int64_t rows = std::min(kGroupRows, depth - g0);
     // Only the second-level prefetch: a first-level one each step, as Tile's, cost a one-row step 5-10% (54.0-56.9
     // against 59.1-61.7 tok/s for a batch-1 generate), its panel rows being a third of f32's.
-    AccumulateTile(acc, x + g0, k_size, group_panel, kPanelWidth, rows, [&prefetch](int64_t) { prefetch.Step(); });
+    AccumulateTile<kRows, kTileVectors, true>(acc, x + g0 * kRows, 0, group_panel, kPanelWidth, rows,
+                                              [&prefetch](int64_t) { prefetch.Step(); });
     for (int64_t v = 0; v < kTileVectors; ++v) {
       const Vec scale = LoadVec(groups.scales + g * kPanelWidth + v * kLanes);
       const Vec min = LoadVec(groups.mins + g * kPanelWidth + v * kLanes);
@@ -180,11 +186,11 @@ void GroupTile(const float* x, int64_t k_size, const int8_t* panel, int64_t dept
 
 // GroupTile for the `rows` (< kGroupRowBlock) x rows left after the full tiles.
 template <int64_t kRows>
-void RestGroupTile(int64_t rows, const float* x, int64_t k_size, const int8_t* panel, int64_t depth, float* out,
-                   int64_t n_size, bool first, const Groups& groups, Prefetcher& prefetch) {
+void RestGroupTile(int64_t rows, const float* x, const int8_t* panel, int64_t depth, float* out, int64_t n_size,
+                   bool first, const Groups& groups, Prefetcher& prefetch) {
   if constexpr (kRows > 0) {
-    if (rows == kRows) return GroupTile<kRows>(x, k_size, panel, depth, out, n_size, first, groups, prefetch);
-    RestGroupTile<kRows - 1>(rows, x, k_size, panel, depth, out, n_size, first, groups, prefetch);
+    if (rows == kRows) return GroupTile<kRows>(x, panel, depth, out, n_size, first, groups, prefetch);
+    RestGroupTile<kRows - 1>(rows, x, panel, depth, out, n_size, first, groups, prefetch);
   }
 }
 
@@ -229,6 +235,89 @@ std::vector<float> GroupSums(ffi::ThreadPool& pool, const float* x, int64_t t_si
   return sums;
 }
 
+// Rows [0, rows) of `from` (rows k_size apart), steps [k0, k1), into `to` laid out [K, rows] (step k's values side by
+// side at to + k * rows).
+void PackSteps(const float* from, int64_t rows, int64_t k_size, int64_t k0, int64_t k1, float* to) {
+  for (int64_t k = k0; k < k1; ++k) {
+    for (int64_t r = 0; r < rows; ++r) to[k * rows + r] = from[r * k_size + k];
+  }
+}
+
+// PackSteps for a full tile, kLanes steps at a time as an in-register transpose: kRowBlock vectors in, their lanes out
+// step by step (one value at a time, the copy took 2-4% of a 32-row matmul).
+void PackFullTile(const float* from, int64_t k_size, float* to) {
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  static_assert(kRowBlock == 8 && kLanes == 16, "an AVX-512 tile is 8 rows of 16-lane vectors");
+  for (; k + kLanes <= k_size; k += kLanes) {
+    __m512 a[8], t[8], u[8];
+    for (int r = 0; r < 8; ++r) a[r] = _mm512_loadu_ps(from + r * k_size + k);
+    for (int r = 0; r < 8; r += 2) {  // rows r, r + 1 interleaved within each 128-bit lane
+      t[r] = _mm512_unpacklo_ps(a[r], a[r + 1]);
+      t[r + 1] = _mm512_unpackhi_ps(a[r], a[r + 1]);
+    }
+    for (int half = 0; half < 2; ++half) {  // u[4 * half + m]: step 4L + m of rows 4 * half .. + 3, in lane L
+      u[4 * half + 0] = _mm512_shuffle_ps(t[4 * half], t[4 * half + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      u[4 * half + 1] = _mm512_shuffle_ps(t[4 * half], t[4 * half + 2], _MM_SHUFFLE(3, 2, 3, 2));
+      u[4 * half + 2] = _mm512_shuffle_ps(t[4 * half + 1], t[4 * half + 3], _MM_SHUFFLE(1, 0, 1, 0));
+      u[4 * half + 3] = _mm512_shuffle_ps(t[4 * half + 1], t[4 * half + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int m = 0; m < 4; ++m) {
+      // Lanes (L, L + 1) of rows 0-3 and of rows 4-7, reordered to [rows 0-3, rows 4-7] of step 4L + m, then of
+      // step 4(L + 1) + m.
+      const __m512 low = _mm512_shuffle_f32x4(u[m], u[4 + m], _MM_SHUFFLE(1, 0, 1, 0));
+      const __m512 high = _mm512_shuffle_f32x4(u[m], u[4 + m], _MM_SHUFFLE(3, 2, 3, 2));
+      const __m512 steps01 = _mm512_shuffle_f32x4(low, low, _MM_SHUFFLE(3, 1, 2, 0));
+      const __m512 steps23 = _mm512_shuffle_f32x4(high, high, _MM_SHUFFLE(3, 1, 2, 0));
+      _mm256_storeu_ps(to + (k + m) * 8, _mm512_castps512_ps256(steps01));
+      _mm256_storeu_ps(to + (k + 4 + m) * 8, _mm512_extractf32x8_ps(steps01, 1));
+      _mm256_storeu_ps(to + (k + 8 + m) * 8, _mm512_castps512_ps256(steps23));
+      _mm256_storeu_ps(to + (k + 12 + m) * 8, _mm512_extractf32x8_ps(steps23, 1));
+    }
+  }
+#elif defined(__AVX2__)
+  static_assert(kRowBlock == 4 && kLanes == 8, "an AVX2 tile is 4 rows of 8-lane vectors");
+  for (; k + kLanes <= k_size; k += kLanes) {
+    __m256 a[4];
+    for (int r = 0; r < 4; ++r) a[r] = _mm256_loadu_ps(from + r * k_size + k);
+    const __m256 t0 = _mm256_unpacklo_ps(a[0], a[1]), t1 = _mm256_unpackhi_ps(a[0], a[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(a[2], a[3]), t3 = _mm256_unpackhi_ps(a[2], a[3]);
+    const __m256 u[4] = {_mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2)),
+                         _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2))};
+    for (int m = 0; m < 4; ++m) {  // u[m]'s 128-bit lane L: step 4L + m of the 4 rows
+      _mm_storeu_ps(to + (k + m) * 4, _mm256_castps256_ps128(u[m]));
+      _mm_storeu_ps(to + (k + 4 + m) * 4, _mm256_extractf128_ps(u[m], 1));
+    }
+  }
+#endif
+  PackSteps(from, kRowBlock, k_size, k, k_size, to);
+}
+
+// x[T, K]'s rows packed tile by tile for the tiles' AccumulateTile: the tile of rows [t0, t0 + h) (h = tile_rows, or
+// the rows left at the end) at + t0 * K, laid out [K, h], each step's h values side by side. One row is its own
+// packing. The copy is T x K floats (a few microseconds at a decode batch's 32 rows, beside 30-300 of multiply-adds);
+// the buffer is the calling thread's, kept for its next call.
+const float* PackRowTiles(ffi::ThreadPool& pool, const float* x, int64_t t_size, int64_t k_size, int64_t tile_rows) {
+  if (t_size == 1) return x;
+  thread_local std::vector<float> packed;
+  if (static_cast<int64_t>(packed.size()) < t_size * k_size) packed.resize(t_size * k_size);
+  float* to = packed.data();
+  auto pack = [&](int64_t tile) {
+    const int64_t t0 = tile * tile_rows, rows = std::min(tile_rows, t_size - t0);
+    if (rows == kRowBlock) return PackFullTile(x + t0 * k_size, k_size, to + t0 * k_size);
+    PackSteps(x + t0 * k_size, rows, k_size, 0, k_size, to + t0 * k_size);
+  };
+  const int64_t tiles = (t_size + tile_rows - 1) / tile_rows;
+  if (t_size <= kFewRows) {
+    for (int64_t tile = 0; tile < tiles; ++tile) pack(tile);
+  } else {
+    ParallelFor(pool, tiles, pack);
+  }
+  return to;
+}
+
 // out[T, P * kPanelWidth] = x[T, K] @ the panels (an int8 weight's with `scales` and `mins`: see Groups), one work item
 // per few consecutive panels (one contiguous run). Few rows: panel by panel, all rows at once. More: kRowChunk rows at
 // a time through every panel of the item (the chunk of x stays in the second-level cache across the item's panels, as
@@ -251,6 +340,8 @@ void MatmulPanels(ffi::ThreadPool& pool, const float* x, const Weight* panels, c
       !grouped ? (few ? kShallowBlock : kDeepBlock) : group_tiles ? kGroupsFew * kGroupRows : kGroupRows;
   const int64_t num_groups = (k_size + kGroupRows - 1) / kGroupRows;
   const std::vector<float> x_sums = grouped ? GroupSums(pool, x, t_size, k_size, num_groups) : std::vector<float>();
+  const int64_t tile_rows = group_tiles ? kGroupRowBlock : kRowBlock;
+  const float* packed_x = PackRowTiles(pool, x, t_size, k_size, tile_rows);
   auto item = [&](int64_t i) {
     const int64_t p_begin = i * item_panels, p_end = std::min(num_panels, p_begin + item_panels);
     const char* item_end = reinterpret_cast<const char*>(panels + p_end * k_size * kPanelWidth);
@@ -271,7 +362,8 @@ void MatmulPanels(ffi::ThreadPool& pool, const float* x, const Weight* panels, c
         const bool first = k0 == 0;
         for (int64_t across = 0; across < kTilesAcross; ++across) {
           const Weight* tile_panel = panel + k0 * kPanelWidth + across * kTileWidth;
-          const float* tile_x = x + t0 * k_size + k0;
+          // Row t's tile (of `height` rows) from the block's first step.
+          auto tile_x = [&](int64_t t, int64_t height) { return packed_x + (t0 + t) * k_size + k0 * height; };
           float* tile_out = out + t0 * n_size + p * kPanelWidth + across * kTileWidth;
           // The tile's groups at row t of this chunk (an int8 weight's).
           auto groups_at = [&](int64_t t) {
@@ -283,11 +375,11 @@ void MatmulPanels(ffi::ThreadPool& pool, const float* x, const Weight* panels, c
           if constexpr (sizeof(Weight) == 1) {
             if (group_tiles) {
               for (; t + kGroupRowBlock <= rows; t += kGroupRowBlock) {
-                GroupTile<kGroupRowBlock>(tile_x + t * k_size, k_size, tile_panel, depth, tile_out + t * n_size,
+                GroupTile<kGroupRowBlock>(tile_x(t, kGroupRowBlock), tile_panel, depth, tile_out + t * n_size,
                                           n_size, first, groups_at(t), prefetch);
               }
               if (t < rows) {
-                RestGroupTile<kGroupRowBlock - 1>(rows - t, tile_x + t * k_size, k_size, tile_panel, depth,
+                RestGroupTile<kGroupRowBlock - 1>(rows - t, tile_x(t, rows - t), tile_panel, depth,
                                                   tile_out + t * n_size, n_size, first, groups_at(t), prefetch);
               }
               continue;
@@ -295,13 +387,13 @@ void MatmulPanels(ffi::ThreadPool& pool, const float* x, const Weight* panels, c
           }
           for (; t + kRowBlock <= rows; t += kRowBlock) {
             const Groups groups = grouped ? groups_at(t) : Groups{};
-            Tile<kRowBlock>(tile_x + t * k_size, k_size, tile_panel, depth, tile_out + t * n_size, n_size, first,
+            Tile<kRowBlock>(tile_x(t, kRowBlock), tile_panel, depth, tile_out + t * n_size, n_size, first,
                             grouped ? &groups : nullptr, prefetch);
           }
           if (t < rows) {
             const Groups groups = grouped ? groups_at(t) : Groups{};
-            RestTile<kRowBlock - 1>(rows - t, tile_x + t * k_size, k_size, tile_panel, depth, tile_out + t * n_size,
-                                    n_size, first, grouped ? &groups : nullptr, prefetch);
+            RestTile<kRowBlock - 1>(rows - t, tile_x(t, rows - t), tile_panel, depth, tile_out + t * n_size, n_size,
+                                    first, grouped ? &groups : nullptr, prefetch);
           }
         }
       }
