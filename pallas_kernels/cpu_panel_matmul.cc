@@ -295,14 +295,42 @@ void PackFullTile(const float* from, int64_t k_size, float* to) {
   PackSteps(from, kRowBlock, k_size, k, k_size, to);
 }
 
-// x[T, K]'s rows packed tile by tile for the tiles' AccumulateTile: the tile of rows [t0, t0 + h) (h = tile_rows, or
-// the rows left at the end) at + t0 * K, laid out [K, h], each step's h values side by side. One row is its own
-// packing. The copy is T x K floats (a few microseconds at a decode batch's 32 rows, beside 30-300 of multiply-adds);
-// the buffer is the calling thread's, kept for its next call.
-const float* PackRowTiles(ffi::ThreadPool& pool, const float* x, int64_t t_size, int64_t k_size, int64_t tile_rows) {
+// Buffers for packed x, kept from call to call: as many as calls ever ran at once (XLA may run independent matmuls side
+// by side), each as large as the largest x it held (a 2048-token prefill's 2048 x 1536 floats, 12.6 MB). One per
+// calling thread instead held 40-75 MB more at peak (a generate's warm-up runs every step shape).
+class PackedBuffers {
+ public:
+  std::vector<float> Take(int64_t size) {
+    std::vector<float> buffer;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!free_.empty()) {
+        buffer = std::move(free_.back());
+        free_.pop_back();
+      }
+    }
+    if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+    return buffer;
+  }
+  void Give(std::vector<float> buffer) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_.push_back(std::move(buffer));
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::vector<float>> free_;
+};
+PackedBuffers packed_buffers;
+
+// x[T, K]'s rows packed tile by tile into `packed` for the tiles' AccumulateTile: the tile of rows [t0, t0 + h) (h =
+// tile_rows, or the rows left at the end) at + t0 * K, laid out [K, h], each step's h values side by side. One row is
+// its own packing. The copy is T x K floats (a few microseconds at a decode batch's 32 rows, beside 30-300 of
+// multiply-adds).
+const float* PackRowTiles(ffi::ThreadPool& pool, const float* x, int64_t t_size, int64_t k_size, int64_t tile_rows,
+                          std::vector<float>& packed) {
   if (t_size == 1) return x;
-  thread_local std::vector<float> packed;
-  if (static_cast<int64_t>(packed.size()) < t_size * k_size) packed.resize(t_size * k_size);
+  packed = packed_buffers.Take(t_size * k_size);
   float* to = packed.data();
   auto pack = [&](int64_t tile) {
     const int64_t t0 = tile * tile_rows, rows = std::min(tile_rows, t_size - t0);
@@ -341,7 +369,8 @@ void MatmulPanels(ffi::ThreadPool& pool, const float* x, const Weight* panels, c
   const int64_t num_groups = (k_size + kGroupRows - 1) / kGroupRows;
   const std::vector<float> x_sums = grouped ? GroupSums(pool, x, t_size, k_size, num_groups) : std::vector<float>();
   const int64_t tile_rows = group_tiles ? kGroupRowBlock : kRowBlock;
-  const float* packed_x = PackRowTiles(pool, x, t_size, k_size, tile_rows);
+  std::vector<float> packed;  // back to packed_buffers at the end
+  const float* packed_x = PackRowTiles(pool, x, t_size, k_size, tile_rows, packed);
   auto item = [&](int64_t i) {
     const int64_t p_begin = i * item_panels, p_end = std::min(num_panels, p_begin + item_panels);
     const char* item_end = reinterpret_cast<const char*>(panels + p_end * k_size * kPanelWidth);
@@ -403,6 +432,7 @@ void MatmulPanels(ffi::ThreadPool& pool, const float* x, const Weight* panels, c
     }
   };
   ParallelFor(pool, items, item);
+  if (!packed.empty()) packed_buffers.Give(std::move(packed));
 }
 
 // Checks the operands' shapes: x[T, K] and panels[P, K, 48].
