@@ -12,8 +12,11 @@ Each (workload, temperature, batch) runs plain decoding, adaptive speculation an
 after the other, `--warmups` untimed times (they compile the step programs and fill the prefix cache; more, up to
 `--max_warmups`, while the last one still compiled a program: adaptive speculation compiles a new step shape only
 once the work repays it, so it may take several runs to reach its steady state) and then `--repeats` timed
-times. Every configuration must generate the same tokens as plain decoding (seeded sampling included; the run fails
-otherwise). Writes <out>.json, <out>.md and <out>.png.
+times, every other repeat in reverse order. A configuration's speedup is the median over the repeats of plain
+decoding's time over its own in the same repeat (the machines here drift by 10% within minutes: ratios of neighbouring
+runs cancel that drift, where a ratio of two medians would not), and the table shows their range. Every
+configuration must generate the same tokens as plain decoding (seeded sampling included; the run fails otherwise).
+Writes <out>.json, <out>.md and <out>.png.
 """
 
 import json
@@ -217,7 +220,10 @@ def main(argv):
         repeat = 0
         while repeat < num_warmups + FLAGS.repeats:
             compiled_in_run = False
-            for name, llm in engines.items():
+            # Every other repeat runs the configurations in reverse order, so that a machine slowing down or speeding
+            # up over a repeat weighs on each configuration alike.
+            order = list(engines.items())
+            for name, llm in order if repeat % 2 == 0 else order[::-1]:
                 programs = llm.engine.num_compilations  # the draft model's programs too
                 seconds, tokens, counts = _run(llm, prompts, FLAGS.max_tokens, temperature)
                 reference = tokens if reference is None else reference
@@ -236,9 +242,10 @@ def main(argv):
                 num_warmups += 1  # a warm-up still compiled: one more, so the timed runs see the steady state
             repeat += 1
         generated = sum(len(t) for t in reference)
-        plain_seconds = statistics.median(times["plain"])
         for name in configs:
             seconds = statistics.median(times[name])
+            # Paired: each repeat's plain time over this configuration's in the same repeat, run next to each other.
+            ratios = [p / s for p, s in zip(times["plain"], times[name], strict=True)]
             counts = counters[name]
             rows.append(
                 dict(
@@ -247,7 +254,8 @@ def main(argv):
                     batch=batch,
                     config=name,
                     tokens_per_s=generated / seconds,
-                    speedup=plain_seconds / seconds,
+                    speedup=statistics.median(ratios),
+                    speedup_range=[min(ratios), max(ratios)],
                     acceptance=counts["accepted"] / counts["drafts"] if counts["drafts"] else None,
                     tokens_per_step=generated / counts["steps"] if counts["steps"] else None,
                     mean_accepted_length=counts["accepted"] / counts["rows"] if counts["rows"] else None,
@@ -296,9 +304,12 @@ def _markdown(result: dict) -> str:
         f"({100 * result['proposal_cost']['share_of_a_plain_step']:.2f}% of a plain step at the smallest batch), "
         f"{1e3 * result['proposal_cost']['first_seconds']:.0f} ms to index the prompt once.",
         "",
-        "| workload | temperature | batch | config | tok/s | vs plain | acceptance | accepted per step | "
+        "Vs plain: the median over the repeats of plain decoding's time over the configuration's in the same repeat "
+        "(range: the least and most of those ratios).",
+        "",
+        "| workload | temperature | batch | config | tok/s | vs plain | range | acceptance | accepted per step | "
         "tokens per step | ms per step | differ |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def fmt(value, spec: str) -> str:
@@ -308,7 +319,8 @@ def _markdown(result: dict) -> str:
         acceptance = "—" if row["acceptance"] is None else f"{100 * row['acceptance']:.0f}%"
         lines.append(
             f"| {row['workload']} | {row['temperature']:g} | {row['batch']} | {row['config']} | "
-            f"{row['tokens_per_s']:.1f} | {row['speedup']:.2f}x | {acceptance} | "
+            f"{row['tokens_per_s']:.1f} | {row['speedup']:.2f}x | "
+            f"{row['speedup_range'][0]:.2f}-{row['speedup_range'][1]:.2f} | {acceptance} | "
             f"{fmt(row['mean_accepted_length'], '.2f')} | {fmt(row['tokens_per_step'], '.2f')} | "
             f"{fmt(row['ms_per_step'], '.1f')} | {row['requests_differing_from_plain']} |"
         )
