@@ -8,7 +8,8 @@ Two workloads on the embedded SmolLM2 (or --model), f32 weights (or --dtype), gr
   shared by the batch's requests, so the prefix cache holds them after the warm-ups and the runs time decoding;
 - "open": short open questions, where drafts rarely come up, and adaptive speculation should cost nothing.
 
-Each (workload, temperature, batch) runs plain decoding, adaptive speculation and always-on speculation, one
+Each (workload, temperature, batch) runs plain decoding, adaptive speculation and always-on speculation (and, with
+--control, plain decoding again in a second engine: two identical engines differ by a few percent here), one
 after the other, `--warmups` untimed times (they compile the step programs and fill the prefix cache; more, up to
 `--max_warmups`, while the last one still compiled a program: adaptive speculation compiles a new step shape only
 once the work repays it, so it may take several runs to reach its steady state) and then `--repeats` timed
@@ -44,6 +45,12 @@ flags.DEFINE_integer("passage_chars", 4000, "Characters per passage of the copy 
 flags.DEFINE_integer("min_padded_seqs", None, "The row floor (EngineConfig.min_padded_seqs; default: the engine's).")
 flags.DEFINE_integer("min_padded_tokens", 1, "The token floor (EngineConfig.min_padded_tokens).")
 flags.DEFINE_string("kv_cache_memory", "1GiB", "Each configuration's target KV pool (a draft model's follows it).")
+flags.DEFINE_boolean(
+    "control",
+    True,
+    "Also run a second plain engine ('plain_again'), measured as the others: the spread between two identical "
+    "engines in this run, the noise floor of every 'vs plain'.",
+)
 
 
 def _readable_memory_size(text: str) -> bool:
@@ -188,6 +195,8 @@ def main(argv):
         if unknown:
             raise SystemExit(f"--configs: unknown or not enabled {sorted(unknown)}; choose from {sorted(configs)}")
         configs = {name: speculative for name, speculative in configs.items() if name == "plain" or name in chosen}
+    if FLAGS.control:
+        configs["plain_again"] = None  # an A/A control: plain decoding in a second engine
     engines = {}
     for name, speculative in configs.items():
         if speculative is not None:
@@ -305,7 +314,8 @@ def _markdown(result: dict) -> str:
         f"{1e3 * result['proposal_cost']['first_seconds']:.0f} ms to index the prompt once.",
         "",
         "Vs plain: the median over the repeats of plain decoding's time over the configuration's in the same repeat "
-        "(range: the least and most of those ratios).",
+        "(range: the least and most of those ratios). plain_again, where present, is plain decoding in a second "
+        "engine: its 'vs plain' is the spread between two identical engines, this run's noise floor.",
         "",
         "| workload | temperature | batch | config | tok/s | vs plain | range | acceptance | accepted per step | "
         "tokens per step | ms per step | differ |",

@@ -261,10 +261,11 @@ def test_bench_speculative_compares_ngram_and_a_draft_model_with_plain_decoding(
     _run([os.path.join(SCRIPTS, "bench_speculative.py"), f"--model={tiny_model_with_tokenizer}", *argv])
     result = json.loads((tmp_path / "speculative.json").read_text())
     rows = {(r["workload"], r["temperature"], r["batch"], r["config"]): r for r in result["rows"]}
-    assert len(rows) == 2 * 2 * 5 and all(r["tokens_per_s"] > 0 for r in rows.values())
+    assert len(rows) == 2 * 2 * 6 and all(r["tokens_per_s"] > 0 for r in rows.values())
     assert all(r["requests_differing_from_plain"] == 0 for r in rows.values())  # no near-tie on this model
     assert all(r["warmup_runs"] == 1 for r in rows.values())  # --max_warmups caps the steady-state warm-ups
     plain_rows = [rows[(*key[:3], "plain")] for key in rows]
+    assert all(rows[(*key[:3], "plain_again")]["drafts"] == 0 for key in rows)  # the A/A control (--control)
     assert all(r["drafts"] == 0 and r["speedup"] == 1.0 and r["speedup_range"] == [1.0, 1.0] for r in plain_rows)
     assert sum(rows[key]["drafts"] for key in rows if key[3] == "ngram_always") > 0
     # Its own greedy drafts are the target's next tokens: every one stands.
