@@ -9,6 +9,7 @@ import models
 from paxkv.config import EngineConfig
 from paxkv.core.engine import Engine
 from paxkv.entrypoints.batch_runner import drain
+from paxkv.execution.step import num_step_compilations
 from paxkv.scheduling.sampling_params import SamplingParams
 from paxkv.scheduling.scheduled_batch import SpeculatingStep
 
@@ -90,13 +91,19 @@ def test_steps_compiled_ahead_compute_what_the_jitted_steps_compute(engine_llama
     loaded = models.load(engine_llama_checkpoint, mesh=mesh, require_tokenizer=False)
     jitted = _run(loaded, {**NGRAM, "adaptive": False}, mesh_shape=mesh_shape)[0]
 
+    jitted_programs = []
+
     def compile_every_shape(engine):
         for num_drafts in (16, 32, 64):
             engine.runner.compile_ahead(SpeculatingStep(16 + num_drafts, 16, False, num_drafts, True, True))
         assert engine.runner.ahead.wait(timeout=600)
+        jitted_programs.append(num_step_compilations())
 
     outputs, engine, steps = _run(loaded, {**NGRAM, "adaptive": False}, compile_every_shape, mesh_shape)
     assert outputs == jitted
+    # The plain steps between the drafting ones reuse the programs the warm-up compiled: a jitted step's cache keys
+    # on its arguments' commitment, and the pool an ahead program returns is committed, as it was allocated.
+    assert num_step_compilations() == jitted_programs[0]
     _assert_plain_output(outputs, reference)
     ahead = engine.runner.ahead
     assert ahead.num_failed == 0 and ahead.num_programs == 3 * 2  # per R: a forward and its sampling

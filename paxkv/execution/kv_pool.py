@@ -76,7 +76,12 @@ def allocate_pool(
         return models.allocate_kv_caches(model_config, num_pages, page_size, dtype, num_groups)
 
     if mesh is None:
-        return allocate()
+        # Committed to the device they were made on (the same buffers, not copies), as the pools a step program
+        # compiled ahead of use returns are: a jitted step's cache keys on its arguments' commitment, so a pool that
+        # went uncommitted into the jitted steps, then came back committed from a speculating step compiled ahead,
+        # recompiled every step shape seen before (2-3 s each on a 2-core CPU, inside the timed runs of
+        # bench_speculative).
+        return jax.tree.map(lambda array: jax.device_put(array, array.sharding), allocate())
     shardings = [pool_sharding(layer, model_config.num_kv_heads, mesh) for layer in jax.eval_shape(allocate)]
     return jax.jit(allocate, out_shardings=shardings)()
 
