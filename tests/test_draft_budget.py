@@ -150,6 +150,12 @@ def test_the_budget_runs_only_compiled_steps_and_compiles_ahead_only_where_the_w
     # Without compiled programs of any drafts, a measured plain step: none drafted, the best one asked for.
     ready.clear()
     assert allot(remaining_tokens=100) == 0 and wanted[-1] == 24
+    # A choice that promises less than COMPILE_MARGIN over the best compiled one is never compiled, however much
+    # work is left: its cost is a guess, and the compile would likely buy nothing.
+    assert budget.repays_compile(8 * 1.2, 0.010, 800.0, remaining_tokens=10**6)
+    assert not budget.repays_compile(8 * 1.05, 0.010, 800.0, remaining_tokens=10**6)
+    budget.observe_emitted(10**9)
+    assert not budget.repays_compile(8 * 1.05, 0.010, 800.0, remaining_tokens=10**6)
     # Nothing compiled and nothing measured to compare against: no compile, no drafts.
     fresh = DraftBudget()
     asked = []

@@ -16,10 +16,11 @@ are scaled by how its own accepted drafts compare with what the records expected
 A step shape with no compiled program yet also costs a compile (seconds for a 30-layer model on CPU), which the
 step-cost curve does not show. The budget never runs such a step: it has the shape compiled on a worker thread
 (paxkv.execution.ahead_compiler) and takes it once ready, and only where the drafts would repay that compile, at
-the shape's estimated cost and against the best compiled choice, over the tokens the running rows still have to
-emit plus as many as the engine has emitted so far: the work to come is taken to be as large as the work done (a
-ski-rental rule: a long-lived engine learns every shape worth having, and one short call never pays for a compile
-it cannot win back, which still takes CPU time from the steps while it runs).
+the shape's estimated cost and against the best compiled choice (beating it by more than the estimates' error,
+COMPILE_MARGIN), over the tokens the running rows still have to emit plus as many as the engine has emitted so far:
+the work to come is taken to be as large as the work done (a ski-rental rule: a long-lived engine learns every
+shape worth having, and one short call never pays for a compile it cannot win back, which still takes CPU time
+from the steps while it runs).
 
 A cost is the least of its shape's latest samples, but a shape that samples taken while a compile ran make dear
 would never run again to correct it: such a compiled choice is retried while it could be the best at the least cost
@@ -50,6 +51,13 @@ DEFAULT_COMPILE_SECONDS = 1.0
 # 3-5% (at batch 32, 0.94x and 0.96x against 0.99x), so uncontended samples are trusted.
 EXPLORE_SAMPLES = 3
 EXPLORE_FLOOR = 0.5
+# A shape is compiled ahead only where its expected rate beats the best compiled choice's by at least this much. The
+# cost of a shape not yet run is a guess, optimistic by design (step_cost), and a measured one carries the machine's
+# noise (5-8% between two identical engines on two cores): at batch 32, prompt lookup on copy at temperature 0.8 asked
+# for shapes that promised 2% and 6% more tokens a second, as the engine's emitted tokens doubled, and the one that
+# ran measured 14% dearer than its guess (slower than plain steps), while each compile took the two cores from the
+# steps for 2-3 s (0.96x against plain decoding).
+COMPILE_MARGIN = 0.1
 
 
 @dataclasses.dataclass
@@ -186,9 +194,11 @@ class DraftBudget:
     def repays_compile(self, expected: float, cost: float, best_rate: float | None, remaining_tokens: int) -> bool:
         """Whether a step emitting `expected` tokens in `cost` seconds, against the best rate available without
         compiling (tokens per second), would save more than a compile over `remaining_tokens` tokens and as many as
-        the engine has emitted so far."""
+        the engine has emitted so far, and beats that rate by at least COMPILE_MARGIN."""
         if best_rate is None or cost <= 0:
             return False  # nothing to compare with yet
+        if expected / cost < (1.0 + COMPILE_MARGIN) * best_rate:
+            return False  # within the estimates' error: the compile would likely buy nothing
         saving = (remaining_tokens + self.num_emitted) * (1.0 / best_rate - cost / expected)
         return saving > self.compile_seconds
 
