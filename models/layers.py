@@ -7,7 +7,7 @@ from flax import nnx
 from models.config import ModelConfig
 from models.packed_weights import PanelWeight, as_matrix
 from models.rope import rotate
-from models.sharding import attention_on_mesh
+from models.sharding import attention_on_mesh, unpartitioned_here
 from pallas_kernels import (
     AttentionMetadata,
     amx_matmul_cpu,
@@ -71,18 +71,11 @@ def _project_panels(spec: str, x: jax.Array, weight: PanelWeight, native: bool) 
             f"a PanelWeight multiplies x[T, K] by its leading axes (a transposed one by its last); {spec!r} does not"
         )
     rows = x.shape[0]
-    if native and x.dtype == jnp.float32 and _unpartitioned_here():
+    if native and x.dtype == jnp.float32 and unpartitioned_here():
         out = panel_matmul_cpu(x, weight.panels, weight.columns, weight.scales, weight.mins)
     else:
         out = jnp.dot(x, weight.matrix().astype(x.dtype))
     return out.reshape(rows, *weight.output_shape)
-
-
-def _unpartitioned_here() -> bool:
-    """No automatic mesh axis over more than one device (a weight could be split there; shard_map'd steps are
-    manual)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return not any(mesh.shape[axis] > 1 for axis in mesh.axis_names if axis not in mesh.manual_axes)
 
 
 def _native_layout(spec: str) -> str | None:
@@ -107,7 +100,7 @@ def _native_matmul(spec: str, x: jax.Array, weight: jax.Array):
     rows = x.shape[0]
     fewest = 1 if weight.dtype == jnp.bfloat16 else 2
     layout = _native_layout(spec)
-    if layout is None or x.dtype != jnp.float32 or rows < fewest or not _unpartitioned_here():
+    if layout is None or x.dtype != jnp.float32 or rows < fewest or not unpartitioned_here():
         return None
     depth = x.shape[1]
     columns = weight.shape[0] if layout == "NK" else weight.size // depth

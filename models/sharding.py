@@ -96,6 +96,13 @@ def restore_target(abstract_state: nnx.State, shardings: dict[tuple, jax.shardin
     return traverse_util.unflatten_dict(target)
 
 
+def unpartitioned_here() -> bool:
+    """No automatic mesh axis over more than one device where this is traced (an array could be split there, which a
+    native CPU kernel cannot take; shard_map'd steps are manual)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not any(mesh.shape[axis] > 1 for axis in mesh.axis_names if axis not in mesh.manual_axes)
+
+
 def attention_on_mesh(q, k, v, kv_pages, metadata, *, attention_impl: str, **options):
     """paged_attention, run per model shard under shard_map when a kernel (Pallas, or the native CPU one) meets a
     mesh.

@@ -29,6 +29,7 @@ SOURCES = tuple(
         "cpu_blocked_matmul.cc",
         "cpu_amx_matmul.cc",
         "cpu_panel_matmul.cc",
+        "cpu_greedy_token.cc",
     )
 )
 # The headers they include from beside themselves: part of the library's cache key.
@@ -65,6 +66,10 @@ PANEL_MATMUL_TARGETS = {
     jnp.dtype(jnp.float32): ("paxkv_cpu_panel_matmul_f32", "PaxkvCpuPanelMatmulF32"),
     jnp.dtype(jnp.int8): ("paxkv_cpu_panel_matmul_int8", "PaxkvCpuPanelMatmulInt8"),  # with group scales
 }
+
+
+# FFI target and library symbol of the greedy-token kernel (f32 logits).
+GREEDY_TOKEN_TARGET = ("paxkv_cpu_greedy_tokens", "PaxkvCpuGreedyTokens")
 
 
 def _cache_dir() -> str:
@@ -152,6 +157,7 @@ def load() -> str | None:
                 *BLOCKED_MATMUL_TARGETS.values(),
                 *AMX_MATMUL_TARGETS.values(),
                 *PANEL_MATMUL_TARGETS.values(),
+                GREEDY_TOKEN_TARGET,
             )
             for target, symbol in targets:
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.sharding import unpartitioned_here
+from pallas_kernels.native_library import native_kernel_error
 from paxkv.scheduling.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 _SEED_MOD = 2**32
@@ -241,6 +243,13 @@ def filtered_logits(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
     log_min_p = jnp.log(arrays.min_p.astype(jnp.float32))[:, None]  # f32[B, 1]; -inf when min_p = 0
     keep &= scaled >= jnp.max(scaled, axis=-1, keepdims=True) + log_min_p
     return jnp.where(keep, scaled, -jnp.inf)
+
+
+def native_greedy_here() -> bool:
+    """Whether greedy rows may take the native CPU kernel (pallas_kernels.greedy_tokens_cpu, the same tokens as
+    first_argmax's): on CPU, with the native library built, and no automatic mesh axis over several devices, where
+    the logits could be split over the vocabulary."""
+    return jax.default_backend() == "cpu" and native_kernel_error() is None and unpartitioned_here()
 
 
 def first_argmax(values: jax.Array) -> jax.Array:

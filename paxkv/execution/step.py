@@ -11,7 +11,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from models.paged_forward import bucket, logits_over_pages
-from paxkv.execution.sampler import SamplingArrays, sample, top_logprobs
+from pallas_kernels import greedy_tokens_cpu
+from paxkv.execution.sampler import SamplingArrays, native_greedy_here, sample, top_logprobs
 from paxkv.execution.step_inputs import StepInputs
 from paxkv.execution.verification import DraftRows, count_accepted
 from paxkv.scheduling.sampling_params import MAX_LOGPROBS
@@ -231,11 +232,15 @@ def _sample_rows(logits: jax.Array, batch: StepBatch, with_logprobs: bool, greed
             None if a is None else jnp.pad(a, ((0, num_draft_rows), (0, 0))) for a in vocab_arrays
         ]  # [S + R, vocab]
     token_counts, prompt_mask, suppress = vocab_arrays
-    tokens, _ = sample(
-        logits, sampling, token_counts, prompt_mask=prompt_mask, suppress=suppress, greedy_only=greedy_only
-    )
-    # A row whose logits hold NaN or Inf has no token to sample: report NONFINITE_TOKEN, never argmax's 0.
-    tokens = jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), tokens, NONFINITE_TOKEN)  # i32[S + R]
+    if greedy_only and all(a is None for a in vocab_arrays) and native_greedy_here():
+        # Every row's argmax of its raw logits: the maximum, its first index and finiteness in one native pass.
+        tokens = greedy_tokens_cpu(logits, NONFINITE_TOKEN)  # i32[S + R]
+    else:
+        tokens, _ = sample(
+            logits, sampling, token_counts, prompt_mask=prompt_mask, suppress=suppress, greedy_only=greedy_only
+        )
+        # A row whose logits hold NaN or Inf has no token to sample: report NONFINITE_TOKEN, never argmax's 0.
+        tokens = jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), tokens, NONFINITE_TOKEN)  # i32[S + R]
     if drafts is None:
         num_accepted = jnp.zeros(num_seqs, jnp.int32)
     else:
