@@ -2,7 +2,7 @@
 a native XLA FFI kernel (cpu_greedy_token.cc), beside its pure-jnp reference.
 
 XLA:CPU runs the reference as three reductions over the logits, each a pass over memory: 1.0-1.3 ms a batch-32
-decode step at SmolLM2's 49152-token vocabulary and 0.5-0.9 ms at 32000 (a 20 M-parameter Llama's whole step is
+decode step at SmolLM2's 49152-token vocabulary and 0.75-0.9 ms at 32000 (a 20 M-parameter Llama's whole step is
 8.3 ms) on a 2-core Zen 4. The kernel reads each row from memory once and answers the same index.
 """
 
