@@ -86,6 +86,22 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
 
 
 @needs_native
+def test_many_rows_of_a_narrow_weight_split_into_row_ranges_give_each_row_its_own_result():
+    """600 rows times 128 columns (3 panels, too few items for the threads) run as row ranges of whole chunks: every
+    row bit for bit what it is alone and among a few rows, and within summation error of the exact product."""
+    x, weight = random_case(12, 600, 256, 128, "float32", False)
+    panels = pack_panels(weight)
+    together = np.asarray(panel_matmul_cpu(x, panels, 128))
+    np.testing.assert_array_equal(np.asarray(panel_matmul_cpu(x[300:340], panels, 128)), together[300:340])
+    for row in (0, 319, 320, 352, 599):  # ranges of 320 rows: the first's first and last, the second's first, ...
+        np.testing.assert_array_equal(np.asarray(panel_matmul_cpu(x[row : row + 1], panels, 128))[0], together[row])
+    x64, weight64 = np.asarray(x, np.float64), np.asarray(weight, np.float64)
+    exact = x64 @ weight64
+    bound = 256 * np.finfo(np.float32).eps * (np.abs(x64) @ np.abs(weight64))
+    assert (np.abs(together - exact) <= bound).all()
+
+
+@needs_native
 def test_empty_products_are_empty_or_zeros():
     x, weight = random_case(3, 12, 0, 96, "float32", False)
     np.testing.assert_array_equal(np.asarray(_panel_matmul(x, weight)), np.zeros((12, 96), np.float32))
