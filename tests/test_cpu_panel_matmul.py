@@ -236,6 +236,18 @@ def test_int8_quantization_spans_each_group_in_256_levels():
 
 
 @needs_native
+def test_int8_rows_of_a_narrow_weight_split_into_row_ranges_give_each_row_its_own_result():
+    """The row ranges of test_many_rows_of_a_narrow_weight_... with int8 panels: rows across a range boundary bit for
+    bit as alone, and the whole product within the int8 bound."""
+    x, (panels, scales, mins), exact, bound = _int8_case(13, 600, 256, 128)
+    together = np.asarray(panel_matmul_cpu(x, panels, 128, scales, mins))
+    assert np.all(np.abs(together - exact) <= bound)
+    for row in (0, 319, 320, 599):
+        alone = np.asarray(panel_matmul_cpu(x[row : row + 1], panels, 128, scales, mins))
+        np.testing.assert_array_equal(alone[0], together[row])
+
+
+@needs_native
 def test_int8_panels_are_within_f32_error_of_the_exact_product_with_the_dequantized_weight():
     """Every shape and row count (the few-row path's register groups, the chunked path's group blocks), and the jnp
     reference, against x @ (levels * scales + mins) in float64."""
