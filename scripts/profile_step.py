@@ -139,7 +139,8 @@ def _device_split(engine, loaded, rounds: int = 20) -> dict:
         jax.clear_caches()
     logits_info = jax.tree.leaves(forwards["device_step"].out_info)[0]
     logits_shape = jax.ShapeDtypeStruct(logits_info.shape, logits_info.dtype)
-    sampling = sample_step.trace(logits_shape, sampling_batch, with_logprobs, greedy_only).lower().compile()
+    native = engine.runner.native
+    sampling = sample_step.trace(logits_shape, sampling_batch, with_logprobs, greedy_only, native).lower().compile()
 
     def run(forward):
         nonlocal caches

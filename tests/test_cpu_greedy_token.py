@@ -58,7 +58,7 @@ def test_logits_that_are_not_rows_are_refused():
         greedy_tokens_cpu(jnp.zeros((2, 3, 4)), MARKER)
 
 
-def _sampling_text(greedy_only: bool, suppress: bool) -> str:
+def _sampling_text(greedy_only: bool, suppress: bool, native: bool = True) -> str:
     """The sampling program's lowered text for 4 rows of a 100-token vocabulary."""
     rows, vocab = 4, 100
     params = [SamplingParams(temperature=0.0)] * rows
@@ -71,13 +71,19 @@ def _sampling_text(greedy_only: bool, suppress: bool) -> str:
         suppress=jnp.zeros((1, rows, vocab), bool) if suppress else None,
     )
     logits = jnp.zeros((1, rows, vocab), jnp.float32)
-    return sample_step.lower(logits, batch, False, greedy_only).as_text()
+    return sample_step.lower(logits, batch, False, greedy_only, native).as_text()
 
 
 def test_the_sampling_program_takes_the_kernel_only_for_plain_greedy_rows():
     assert "paxkv_cpu_greedy_tokens" in _sampling_text(greedy_only=True, suppress=False)
     assert "paxkv_cpu_greedy_tokens" not in _sampling_text(greedy_only=False, suppress=False)
     assert "paxkv_cpu_greedy_tokens" not in _sampling_text(greedy_only=True, suppress=True)  # min_tokens: jnp
+
+
+def test_a_program_for_a_model_without_the_native_kernels_never_takes_the_kernel():
+    # A CPU process compiling for a TPU (execution.aot), or a model asked for attention_impl="xla": the backend is
+    # "cpu" in both, so only the model's own resolved kernels may decide.
+    assert "paxkv_cpu_greedy_tokens" not in _sampling_text(greedy_only=True, suppress=False, native=False)
 
 
 def test_a_nonfinite_greedy_row_samples_the_marker_beside_finite_rows():
@@ -87,6 +93,19 @@ def test_a_nonfinite_greedy_row_samples_the_marker_beside_finite_rows():
     params = [SamplingParams(temperature=0.0)] * rows
     arrays = jax.tree.map(lambda a: jnp.asarray(a)[None], SamplingArrays.from_params(params, [0] * rows, [0] * rows))
     batch = StepBatch(inputs=None, sampling=arrays, token_counts=None, prompt_mask=None, suppress=None)
-    tokens = np.asarray(sample_step(jnp.asarray(logits), batch, False, True).tokens[0])
+    tokens = np.asarray(sample_step(jnp.asarray(logits), batch, False, True, True).tokens[0])
     assert tokens[1] == NONFINITE_TOKEN
     np.testing.assert_array_equal(tokens[[0, 2]], np.argmax(logits[0, [0, 2]], axis=-1))
+
+
+def test_an_engine_samples_natively_only_where_its_model_runs_the_native_kernels(word_level_llama):
+    from paxkv import LLM
+
+    engine = dict(num_pages=16, page_size=8, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    tokens = {}
+    for impl in ("xla", "auto"):
+        llm = LLM(word_level_llama, attention_impl=impl, **engine)
+        assert llm.engine.runner.native == (impl == "auto" and native_kernel_error() is None)
+        tokens[impl] = [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7], [8]], greedy, use_tqdm=False)]
+    assert tokens["xla"] == tokens["auto"]

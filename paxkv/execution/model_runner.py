@@ -148,6 +148,7 @@ class ModelRunner:
                 ahead=self.ahead,
             )
         self._graph = static_graph(loaded.graphdef)
+        self.native = loaded.model.native_matmul  # the native CPU kernels run here: greedy sampling may take one too
         self.num_ahead_steps = 0  # steps whose forward was compiled ahead
         # (T bucket, S bucket, penalties?, suppress?, logprobs?, all greedy?, R draft rows): each one a (forward,
         # sampling) pair, the forward's program keyed by (T, S, R) and the sampling's by the rest.
@@ -213,6 +214,7 @@ class ModelRunner:
                 greedy_only,
                 forward=forward,
                 sampling=sampling,
+                native=self.native,
             )
         self.pool.kv_caches = target_layers + self.draft_layers
         if batch.num_batched_tokens >= self.config.max_num_batched_tokens // 2:  # mostly prefill: a rate to plan by
@@ -243,7 +245,12 @@ class ModelRunner:
             for greedy_only in (True,) if num_rows in rows_drawn else (True, False):
                 with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
                     sampled, target_layers = run_step(
-                        self._graph, self.loaded.state, self.target_layers, step_batch, greedy_only=greedy_only
+                        self._graph,
+                        self.loaded.state,
+                        self.target_layers,
+                        step_batch,
+                        greedy_only=greedy_only,
+                        native=self.native,
                     )
                 self.pool.kv_caches = target_layers + self.draft_layers
                 jax.block_until_ready(sampled.tokens)
@@ -291,9 +298,9 @@ class ModelRunner:
         # The sampling's input is the forward's output, shaped and sharded as the compiled forward gives it: the
         # forward is compiled ahead too (once) where only its jitted twin ran.
         self.ahead.request(forward, lambda: compile_forward(graph, state, kv_caches, batch))
-        with_logprobs, greedy_only = step.with_logprobs, step.greedy_only
+        with_logprobs, greedy_only, native = step.with_logprobs, step.greedy_only, self.native
         self.ahead.request(
-            sampling, lambda: compile_sampling(self.ahead.program(forward), batch, with_logprobs, greedy_only)
+            sampling, lambda: compile_sampling(self.ahead.program(forward), batch, with_logprobs, greedy_only, native)
         )
 
     def _keys(self, step: SpeculatingStep) -> tuple[tuple, tuple]:

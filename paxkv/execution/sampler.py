@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.sharding import unpartitioned_here
-from pallas_kernels.native_library import native_kernel_error
 from paxkv.scheduling.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 _SEED_MOD = 2**32
@@ -245,11 +244,15 @@ def filtered_logits(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
     return jnp.where(keep, scaled, -jnp.inf)
 
 
-def native_greedy_here() -> bool:
+def native_greedy_here(native: bool) -> bool:
     """Whether greedy rows may take the native CPU kernel (pallas_kernels.greedy_tokens_cpu, the same tokens as
-    first_argmax's): on CPU, with the native library built, and no automatic mesh axis over several devices, where
-    the logits could be split over the vocabulary."""
-    return jax.default_backend() == "cpu" and native_kernel_error() is None and unpartitioned_here()
+    first_argmax's): the model runs the native CPU kernels (`native`: its attention_impl resolved to cpu_native, so
+    the program is for CPU and the library is built), and no automatic mesh axis over several devices could split
+    the logits over the vocabulary.
+
+    The default backend alone would not do: a CPU process compiling for a TPU (execution.aot) has backend "cpu".
+    """
+    return native and unpartitioned_here()
 
 
 def first_argmax(values: jax.Array) -> jax.Array:

@@ -89,6 +89,7 @@ def run_step(
     greedy_only: bool = False,
     forward: jax.stages.Compiled | None = None,
     sampling: jax.stages.Compiled | None = None,
+    native: bool = False,
 ) -> tuple[SampledTokens, list]:  # every SampledTokens leaf [D, S + R, ...]
     """One engine step as two programs: forward_step writes K/V and computes the rows' logits, then sample_step
     samples them (either one compiled ahead of time, where given).
@@ -105,6 +106,7 @@ def run_step(
       greedy_only: every row is greedy (static; batch.greedy_only()): the sampling compiles only the argmax.
       forward, sampling: the two programs of this shape and variant compiled ahead of time
         (paxkv.execution.ahead_compiler), or None for the jitted ones.
+      native: the model runs the native CPU kernels (static; see sample_step).
     """
     draft_indices = None if batch.drafts is None else batch.drafts.logits_indices
     if forward is None:
@@ -113,7 +115,7 @@ def run_step(
         logits, kv_caches = forward(state, kv_caches, batch.inputs, draft_indices)
     sampling_batch = dataclasses.replace(batch, inputs=None)
     if sampling is None:
-        sampled = sample_step(logits, sampling_batch, with_logprobs, greedy_only)
+        sampled = sample_step(logits, sampling_batch, with_logprobs, greedy_only, native)
     else:
         sampled = sampling(logits, sampling_batch)
     return sampled, kv_caches
@@ -169,12 +171,13 @@ def forward_step(
     return per_replica(replica_forward, num_replicas, (state,), (kv_caches, inputs, draft_indices))
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
 def sample_step(
     logits: jax.Array,  # f32[D, S + R, vocab]
     batch: StepBatch,  # its sampling arrays, vocabulary arrays and drafts (inputs None)
     with_logprobs: bool = False,
     greedy_only: bool = False,
+    native: bool = False,
 ) -> SampledTokens:  # every leaf [D, S + R, ...] (num_accepted [D, S])
     """Sample one token per row of every replica, verify its drafts, and when asked, report log-probabilities.
 
@@ -184,11 +187,14 @@ def sample_step(
       with_logprobs: also return each sampled token's log-probability and rank, and the MAX_LOGPROBS most
         likely tokens of each row (static; zeros and empty arrays otherwise).
       greedy_only: every row is greedy (static): only the argmax is compiled, not the filters and draws.
+      native: the model runs the native CPU kernels (static: its attention_impl resolved to cpu_native), so plain
+        greedy rows may take the native argmax (sampler.native_greedy_here); False for programs compiled for
+        another platform.
     """
 
     def replica_sample(logits, batch):
         local = jax.tree.map(lambda leaf: leaf[0], batch)  # this replica's [S, ...] arrays
-        sampled = _sample_rows(logits[0], local, with_logprobs, greedy_only)
+        sampled = _sample_rows(logits[0], local, with_logprobs, greedy_only, native)
         return jax.tree.map(lambda leaf: leaf[None], sampled)
 
     return per_replica(replica_sample, batch.num_replicas, (), (logits, batch))
@@ -201,15 +207,14 @@ def compile_forward(graph: StaticGraph, state, kv_caches: list, batch: StepBatch
 
 
 def compile_sampling(
-    forward: jax.stages.Compiled, batch: StepBatch, with_logprobs: bool, greedy_only: bool
+    forward: jax.stages.Compiled, batch: StepBatch, with_logprobs: bool, greedy_only: bool, native: bool = False
 ) -> jax.stages.Compiled:
     """sample_step compiled ahead of time for the logits `forward` returns, shaped and sharded as it returns them,
-    and a batch's shapes (its inputs unused)."""
+    and a batch's shapes (its inputs unused); `native` as sample_step's."""
     info = jax.tree.leaves(forward.out_info)[0]
     logits = jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=forward.output_shardings[0])
-    return (
-        sample_step.trace(logits, dataclasses.replace(batch, inputs=None), with_logprobs, greedy_only).lower().compile()
-    )
+    sampling_batch = dataclasses.replace(batch, inputs=None)
+    return sample_step.trace(logits, sampling_batch, with_logprobs, greedy_only, native).lower().compile()
 
 
 def replicated(x: jax.Array) -> jax.Array:
@@ -219,7 +224,9 @@ def replicated(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, PartitionSpec())
 
 
-def _sample_rows(logits: jax.Array, batch: StepBatch, with_logprobs: bool, greedy_only: bool) -> SampledTokens:
+def _sample_rows(
+    logits: jax.Array, batch: StepBatch, with_logprobs: bool, greedy_only: bool, native: bool
+) -> SampledTokens:
     """The body of sample_step for one replica's rows (logits f32[S + R, vocab], batch leaves [S, ...])."""
     drafts = batch.drafts
     num_seqs = batch.sampling.temperature.shape[0]
@@ -232,7 +239,7 @@ def _sample_rows(logits: jax.Array, batch: StepBatch, with_logprobs: bool, greed
             None if a is None else jnp.pad(a, ((0, num_draft_rows), (0, 0))) for a in vocab_arrays
         ]  # [S + R, vocab]
     token_counts, prompt_mask, suppress = vocab_arrays
-    if greedy_only and all(a is None for a in vocab_arrays) and native_greedy_here():
+    if greedy_only and all(a is None for a in vocab_arrays) and native_greedy_here(native):
         # Every row's argmax of its raw logits: the maximum, its first index and finiteness in one native pass.
         tokens = greedy_tokens_cpu(logits, NONFINITE_TOKEN)  # i32[S + R]
     else:
