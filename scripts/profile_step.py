@@ -95,12 +95,13 @@ def _device_split(engine, loaded, rounds: int = 20) -> dict:
     draft_indices = None if step_batch.drafts is None else step_batch.drafts.logits_indices
     sampling_batch = dataclasses.replace(step_batch, inputs=None)
     caches = jax.tree.map(jnp.copy, engine.kv_caches)
+    weights = jax.tree.leaves(loaded.state)  # the step programs' flat weights (execution.step.StaticGraph)
 
     def compile_forward():
         # Equal graphdefs share one StaticGraph, so only clearing jit's caches makes the patched model retrace.
         jax.clear_caches()
-        graph = static_graph(loaded.graphdef)
-        return forward_step.trace(graph, loaded.state, caches, step_batch.inputs, draft_indices).lower().compile()
+        graph = static_graph(loaded.graphdef, loaded.state)
+        return forward_step.trace(graph, weights, caches, step_batch.inputs, draft_indices).lower().compile()
 
     def write_only(q, k, v, kv_pages, metadata, **kwargs):
         return q, write_kv(kv_pages, k, v, metadata.slots)
@@ -144,7 +145,7 @@ def _device_split(engine, loaded, rounds: int = 20) -> dict:
 
     def run(forward):
         nonlocal caches
-        logits, caches = forward(loaded.state, caches, step_batch.inputs, draft_indices)
+        logits, caches = forward(weights, caches, step_batch.inputs, draft_indices)
         return sampling(logits, sampling_batch)
 
     times = {name: [] for name in forwards}

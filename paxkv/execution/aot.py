@@ -223,7 +223,8 @@ def compile_step(
     batch = abstract_step_batch(engine, num_tokens, num_seqs, vocab_arrays=vocab_arrays)
     start = time.perf_counter()
     with jax.set_mesh(engine.mesh) if engine.mesh is not None else contextlib.nullcontext():
-        forward = compile_forward(static_graph(engine.graphdef), engine.state, engine.kv_caches, batch)
+        graph, weights = static_graph(engine.graphdef, engine.state), jax.tree.leaves(engine.state)
+        forward = compile_forward(graph, weights, engine.kv_caches, batch)
         sampling = compile_sampling(forward, batch, with_logprobs, greedy_only=False)
     info = jax.tree.leaves(forward.out_info)[0]
     logits = jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=forward.output_shardings[0])

@@ -32,7 +32,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 import models
 from models.paged_forward import logits_over_pages
@@ -60,7 +59,7 @@ class ProposingRows:
 @functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=2)
 def propose_drafts(
     graph: StaticGraph,
-    state: nnx.State,
+    weights: list,  # the draft's state's leaves (StaticGraph)
     kv_caches: list,  # the draft's layers of the pool, donated
     inputs: StepInputs,  # [D, ...] the step's tokens without drafts
     proposing: ProposingRows,  # [D, R]
@@ -70,8 +69,8 @@ def propose_drafts(
     """Write the draft KV of the step's tokens and draft up to K tokens for each proposing row, each sampled with the
     key the target samples its position with (coupled drafts; greedy rows take the argmax)."""
 
-    def replica_drafts(state, kv_caches, inputs, proposing):
-        model = nnx.merge(graph.graphdef, state)
+    def replica_drafts(weights, kv_caches, inputs, proposing):
+        model = graph.model(weights)
         local = jax.tree.map(lambda leaf: leaf[0], inputs)
         proposing = jax.tree.map(lambda leaf: leaf[0], proposing)
         rows, positions, num_drafts = proposing.rows, proposing.positions, proposing.num_drafts  # i32[R] each
@@ -111,7 +110,7 @@ def propose_drafts(
         drafts, kv_caches = jax.lax.fori_loop(0, jnp.max(num_drafts), draft_one, (drafts, kv_caches))
         return drafts[None, :, :num_speculative_tokens], kv_caches
 
-    return per_replica(replica_drafts, inputs.tokens.shape[0], (state,), (kv_caches, inputs, proposing))
+    return per_replica(replica_drafts, inputs.tokens.shape[0], (weights,), (kv_caches, inputs, proposing))
 
 
 def num_draft_compilations() -> int:
@@ -179,7 +178,7 @@ class DraftModelProposer:
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.padding = padding
         self.mesh, self.ahead = mesh, ahead
-        self._graph = static_graph(draft.graphdef)
+        self._graph, self._weights = static_graph(draft.graphdef, draft.state), jax.tree.leaves(draft.state)
         self._ran: set[tuple[int, int]] = set()  # (T, S) of the draft programs this proposer has run
         self.last_fill_sizes: list[tuple[int, int]] = []  # (T, S) of the programs the last fill ran, in order
         self.num_drafting_programs = 0  # draft programs run that drafted (at most one a step)
@@ -266,11 +265,11 @@ class DraftModelProposer:
         sizes = [size for size in self.program_sizes(spans) if size not in self._ran]
         if self.ahead is None or not sizes:
             return
-        state, kv_caches = abstract(self.draft.state), abstract(kv_caches)
+        weights, kv_caches = abstract(self._weights), abstract(kv_caches)
         for size in sizes:
-            self.ahead.request(("draft", *size), functools.partial(self._compile, size, state, kv_caches))
+            self.ahead.request(("draft", *size), functools.partial(self._compile, size, weights, kv_caches))
 
-    def _compile(self, size: tuple[int, int], state, kv_caches: list) -> jax.stages.Compiled:
+    def _compile(self, size: tuple[int, int], weights: list, kv_caches: list) -> jax.stages.Compiled:
         """The draft program of a (T, S) size, compiled for every replica's padding rows."""
         num_tokens, num_rows = size
         num_replicas = 1 if self.mesh is None else self.mesh.shape["data"]
@@ -285,7 +284,7 @@ class DraftModelProposer:
         inputs = jax.tree.map(lambda leaf: np.stack([leaf] * num_replicas), inputs)
         proposing = _proposing_rows([[] for _ in range(num_replicas)], num_rows, lambda _: 0)
         traced = propose_drafts.trace(
-            self._graph, state, kv_caches, abstract(inputs), abstract(proposing), self.page_size, self.num_drafts
+            self._graph, weights, kv_caches, abstract(inputs), abstract(proposing), self.page_size, self.num_drafts
         )
         return traced.lower().compile()
 
@@ -329,9 +328,9 @@ class DraftModelProposer:
         self.last_fill_sizes.append(padded_sizes)
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             if program is not None:
-                return program(self.draft.state, kv_caches, stacked, proposing)
+                return program(self._weights, kv_caches, stacked, proposing)
             return propose_drafts(
-                self._graph, self.draft.state, kv_caches, stacked, proposing, self.page_size, self.num_drafts
+                self._graph, self._weights, kv_caches, stacked, proposing, self.page_size, self.num_drafts
             )
 
 

@@ -147,7 +147,9 @@ class ModelRunner:
                 mesh=mesh,
                 ahead=self.ahead,
             )
-        self._graph = static_graph(loaded.graphdef)
+        # The steps take the weights as the state's flat list of arrays (StaticGraph), read once here, after
+        # packing: nothing changes the state's arrays later.
+        self._graph, self._weights = static_graph(loaded.graphdef, loaded.state), jax.tree.leaves(loaded.state)
         self.native = loaded.model.native_matmul  # the native CPU kernels run here: greedy sampling may take one too
         self.num_ahead_steps = 0  # steps whose forward was compiled ahead
         # (T bucket, S bucket, penalties?, suppress?, logprobs?, all greedy?, R draft rows): each one a (forward,
@@ -207,7 +209,7 @@ class ModelRunner:
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             sampled, target_layers = run_step(
                 self._graph,
-                self.loaded.state,
+                self._weights,
                 self.target_layers,
                 step_batch,
                 with_logprobs,
@@ -246,7 +248,7 @@ class ModelRunner:
                 with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
                     sampled, target_layers = run_step(
                         self._graph,
-                        self.loaded.state,
+                        self._weights,
                         self.target_layers,
                         step_batch,
                         greedy_only=greedy_only,
@@ -294,10 +296,10 @@ class ModelRunner:
             draft_row_bucket=num_draft_rows,
         )
         graph, batch = self._graph, abstract(batch)
-        state, kv_caches = abstract(self.loaded.state), abstract(self.target_layers)
+        weights, kv_caches = abstract(self._weights), abstract(self.target_layers)
         # The sampling's input is the forward's output, shaped and sharded as the compiled forward gives it: the
         # forward is compiled ahead too (once) where only its jitted twin ran.
-        self.ahead.request(forward, lambda: compile_forward(graph, state, kv_caches, batch))
+        self.ahead.request(forward, lambda: compile_forward(graph, weights, kv_caches, batch))
         with_logprobs, greedy_only, native = step.with_logprobs, step.greedy_only, self.native
         self.ahead.request(
             sampling, lambda: compile_sampling(self.ahead.program(forward), batch, with_logprobs, greedy_only, native)
