@@ -1,8 +1,10 @@
 """ModelRunner on its own: the StepBatch it lays out, the rows it returns, and the page moves it makes first."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import models
 from paxkv.config import EngineConfig
@@ -11,7 +13,7 @@ from paxkv.entrypoints.batch_runner import drain
 from paxkv.execution.aot import step_buckets
 from paxkv.execution.kv_pool import KVPool
 from paxkv.execution.model_runner import ModelRunner
-from paxkv.execution.step import num_step_compilations
+from paxkv.execution.step import num_step_compilations, static_graph
 from paxkv.execution.step_inputs import NO_PADDING, StepPadding, padded_sizes, prefill_bucket
 from paxkv.scheduling.preemption import PreemptionPolicy
 from paxkv.scheduling.request import Request
@@ -183,3 +185,24 @@ def test_a_token_floor_leaves_the_steps_above_it_untrimmed(engine_llama_checkpoi
         drain(engine)
         assert engine.metrics.num_steps == steps, floor  # the prompt in 2 steps or in 1, then one decode
     assert engine.runner.padding.token_buckets(512) == [512] and StepPadding().token_buckets(4) == [1, 2, 4]
+
+
+def test_engines_over_equal_models_share_the_static_graph_and_its_programs(tiny_llama_checkpoint):
+    # The steps take the weights as the state's flat leaves, the state's structure held by the static argument: two
+    # loads of one checkpoint share it (and the compiled programs), and the module it rebuilds holds those leaves.
+    first, second = (models.load(tiny_llama_checkpoint(), require_tokenizer=False) for _ in range(2))
+    config = EngineConfig(page_size=8, num_pages=32, max_num_seqs=2, max_num_batched_tokens=32)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    tokens, compiled = [], []
+    for loaded in (first, second):
+        engine = Engine(loaded, config)
+        engine.add_request("a", [3, 1, 4, 1, 5], params)
+        before = num_step_compilations()
+        tokens.append(drain(engine)["a"].outputs[0].token_ids)
+        compiled.append(num_step_compilations() - before)
+    graph = static_graph(first.graphdef, first.state)
+    assert graph is static_graph(second.graphdef, second.state)
+    assert compiled[0] > 0 and compiled[1] == 0 and tokens[0] == tokens[1]
+    weights = jax.tree.leaves(first.state)
+    rebuilt = jax.tree.leaves(nnx.state(graph.model(weights)))
+    assert len(rebuilt) == len(weights) and all(a is b for a, b in zip(rebuilt, weights, strict=True))
