@@ -85,7 +85,7 @@ def _device_split(engine, loaded, rounds: int = 20) -> dict:
 
     import models.layers
     from pallas_kernels import write_kv
-    from paxkv.execution.step import forward_step, sample_step, static_graph
+    from paxkv.execution.step import forward_step, sample_step, step_model
 
     # The batch is only read here (never run through Engine.step), so the scheduler needs no update.
     batch = engine.scheduler.schedule()
@@ -95,12 +95,11 @@ def _device_split(engine, loaded, rounds: int = 20) -> dict:
     draft_indices = None if step_batch.drafts is None else step_batch.drafts.logits_indices
     sampling_batch = dataclasses.replace(step_batch, inputs=None)
     caches = jax.tree.map(jnp.copy, engine.kv_caches)
-    weights = jax.tree.leaves(loaded.state)  # the step programs' flat weights (execution.step.StaticGraph)
+    graph, weights = step_model(loaded.graphdef, loaded.state)  # the model as the step programs take it
 
     def compile_forward():
         # Equal graphdefs share one StaticGraph, so only clearing jit's caches makes the patched model retrace.
         jax.clear_caches()
-        graph = static_graph(loaded.graphdef, loaded.state)
         return forward_step.trace(graph, weights, caches, step_batch.inputs, draft_indices).lower().compile()
 
     def write_only(q, k, v, kv_pages, metadata, **kwargs):

@@ -21,7 +21,7 @@ from models.loaded_model import abstract_model
 from models.sharding import restore_target, state_shardings
 from pallas_kernels import pages_for
 from paxkv.execution.kv_pool import abstract_pool, kv_bytes_per_page, kv_storage_dtype
-from paxkv.execution.step import StepBatch, compile_forward, compile_sampling, static_graph
+from paxkv.execution.step import StepBatch, compile_forward, compile_sampling, step_model
 from paxkv.execution.step_arguments import empty_step_batch
 from paxkv.execution.step_inputs import (
     MIN_PREFILL_TOKENS,
@@ -223,7 +223,7 @@ def compile_step(
     batch = abstract_step_batch(engine, num_tokens, num_seqs, vocab_arrays=vocab_arrays)
     start = time.perf_counter()
     with jax.set_mesh(engine.mesh) if engine.mesh is not None else contextlib.nullcontext():
-        graph, weights = static_graph(engine.graphdef, engine.state), jax.tree.leaves(engine.state)
+        graph, weights = step_model(engine.graphdef, engine.state)
         forward = compile_forward(graph, weights, engine.kv_caches, batch)
         sampling = compile_sampling(forward, batch, with_logprobs, greedy_only=False)
     info = jax.tree.leaves(forward.out_info)[0]

@@ -39,7 +39,7 @@ from pallas_kernels import AttentionMetadata
 from paxkv.config import SpeculativeConfig
 from paxkv.execution.ahead_compiler import AheadCompiler, abstract
 from paxkv.execution.sampler import SamplingArrays, sample
-from paxkv.execution.step import StaticGraph, per_replica, replicated, static_graph
+from paxkv.execution.step import StaticGraph, per_replica, replicated, step_model
 from paxkv.execution.step_inputs import NO_PADDING, StepInputs, StepPadding, padded_sizes, shared_padded_sizes
 from paxkv.parallel.distributed import host_value
 from paxkv.scheduling.scheduled_batch import ReplicaBatch, ScheduledBatch, ScheduledSequence
@@ -178,7 +178,7 @@ class DraftModelProposer:
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.padding = padding
         self.mesh, self.ahead = mesh, ahead
-        self._graph, self._weights = static_graph(draft.graphdef, draft.state), jax.tree.leaves(draft.state)
+        self._graph, self._weights = step_model(draft.graphdef, draft.state)
         self._ran: set[tuple[int, int]] = set()  # (T, S) of the draft programs this proposer has run
         self.last_fill_sizes: list[tuple[int, int]] = []  # (T, S) of the programs the last fill ran, in order
         self.num_drafting_programs = 0  # draft programs run that drafted (at most one a step)

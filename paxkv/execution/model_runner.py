@@ -25,7 +25,7 @@ from paxkv.execution.step import (
     copy_pages,
     page_copy_arrays,
     run_step,
-    static_graph,
+    step_model,
 )
 from paxkv.execution.step_arguments import build_step_batch, empty_step_batch
 from paxkv.execution.step_inputs import StepPadding, padded_draft_rows, padded_sizes
@@ -149,7 +149,7 @@ class ModelRunner:
             )
         # The steps take the weights as the state's flat list of arrays (StaticGraph), read once here, after
         # packing: nothing changes the state's arrays later.
-        self._graph, self._weights = static_graph(loaded.graphdef, loaded.state), jax.tree.leaves(loaded.state)
+        self._graph, self._weights = step_model(loaded.graphdef, loaded.state)
         self.native = loaded.model.native_matmul  # the native CPU kernels run here: greedy sampling may take one too
         self.num_ahead_steps = 0  # steps whose forward was compiled ahead
         # (T bucket, S bucket, penalties?, suppress?, logprobs?, all greedy?, R draft rows): each one a (forward,

@@ -74,6 +74,11 @@ def static_graph(graphdef: nnx.GraphDef, state: nnx.State) -> StaticGraph:
     return found
 
 
+def step_model(graphdef: nnx.GraphDef, state: nnx.State) -> tuple[StaticGraph, list]:
+    """(static_graph(graphdef, state), the state's leaves): the model as the step programs take it."""
+    return static_graph(graphdef, state), jax.tree.leaves(state)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
