@@ -39,7 +39,7 @@ def project(spec: str, x: jax.Array, weight: jax.Array | PanelWeight, *, native:
     at one row), and tens of rows to the blocked kernel where it beats XLA on this kind of CPU; never when the weight
     may be partitioned over a mesh axis here.
 
-    A PanelWeight (an f32 or int8 weight laid out for the native CPU matmul, models.packed_weights) goes to the
+    A PanelWeight (an f32, int8 or bf16 weight laid out for the native CPU matmul, models.packed_weights) goes to the
     panel kernel at every row count; where the native kernels may not run, XLA multiplies the unpacked (dequantized)
     matrix.
 
@@ -74,7 +74,7 @@ def _project_panels(spec: str, x: jax.Array, weight: PanelWeight, native: bool) 
     if native and x.dtype == jnp.float32 and unpartitioned_here():
         out = panel_matmul_cpu(x, weight.panels, weight.columns, weight.scales, weight.mins)
     else:
-        out = jnp.dot(x, weight.matrix().astype(x.dtype))
+        out = project("TK,KN->TN", x, weight.matrix())  # a bf16 matrix as any bf16 weight: x rounded to bf16
     return out.reshape(rows, *weight.output_shape)
 
 

@@ -16,6 +16,7 @@ from models.packed_weights import pack_projections_in_place, panels_pay_here
 from models.paged_forward import PagedSequence, greedy_generate
 from models.sharding import state_shardings
 from models.tokenizer import Tokenizer
+from pallas_kernels import bf16_panels_pay
 
 
 @dataclasses.dataclass
@@ -40,15 +41,17 @@ class LoadedModel:
     def pack_for_native_matmul(self, mesh: jax.sharding.Mesh | None = None) -> bool:
         """Store the f32 projection weights as the native CPU matmul's panels, in place of their [K, N] arrays (the
         state's variables are updated, one weight at a time), where that pays (models.packed_weights.panels_pay_here);
-        whether they are stored so now. An engine does this when it starts; models.packed_weights.unpacked_state
-        gives the plain arrays back.
+        whether they are stored so now. bf16 weights under f32 activations become bf16 panels where the CPU has
+        AVX-512 BF16 and no AMX (pallas_kernels.bf16_panels_pay). An engine does this when it starts;
+        models.packed_weights.unpacked_state gives the plain arrays back.
 
         Args:
           mesh: the mesh the model will run on, or None for one device.
         """
-        if not panels_pay_here(self.model.native_matmul, mesh if mesh is not None else self.mesh):
+        model = self.model
+        if not panels_pay_here(model.native_matmul, mesh if mesh is not None else self.mesh):
             return False
-        pack_projections_in_place(self.state)
+        pack_projections_in_place(self.state, bf16=model.compute_dtype == jnp.float32 and bf16_panels_pay())
         return True
 
     def score(self, token_ids, *, page_size: int = 16) -> np.ndarray:  # f32[T, vocab]

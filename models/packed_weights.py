@@ -11,6 +11,10 @@ With weight quantization "int8" (weight-only, as llama.cpp's Q8_0 or vLLM's W8A1
 an f32 scale and min per output column and group of 32 contraction rows (pallas_kernels.quantize_panels_int8; a tied
 embedding's columns are tokens, so a token's vector has a scale and min per 32 of its values): 31% of the bytes that
 a decode step streams, with f32 activations and sums.
+
+bf16 weights (a model loaded with dtype bfloat16, f32 activations) are stored as bf16 panels where the CPU has
+AVX-512 BF16 and no AMX (pallas_kernels.bf16_panels_pay): contraction rows in pairs, which VDPBF16PS multiplies by x
+rounded to bf16, the numerics project() gives bf16 weights anyway.
 """
 
 import dataclasses
@@ -26,6 +30,7 @@ from pallas_kernels.cpu_panel_matmul import (
     PANEL_WIDTH,
     dequantized_matrix,
     pack_panels,
+    pack_panels_bf16,
     panel_layout_pays,
     quantize_panels_int8,
 )
@@ -51,10 +56,10 @@ PROJECTION_CONTRACTED_AXES = {
 class PanelWeight:
     """A projection weight of `shape` stored as column panels of its [K, N] matrix (K = the product of its first
     `contracted` axes; with `transposed`, the weight is [N, K], a tied embedding whose rows are tokens' vectors): f32,
-    or int8 with an f32 scale and min per group of 32 contraction rows and column; models.layers.project multiplies it
-    without unpacking on the native CPU path."""
+    int8 with an f32 scale and min per group of 32 contraction rows and column, or bf16 with contraction rows in
+    pairs; models.layers.project multiplies it without unpacking on the native CPU path."""
 
-    panels: jax.Array  # f32 or s8[ceil(N / 48), K, 48]
+    panels: jax.Array  # f32 or s8[ceil(N / 48), K, 48], or bf16[ceil(N / 48), ceil(K / 2), 48, 2]
     shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     contracted: int = dataclasses.field(default=1, metadata=dict(static=True))
     transposed: bool = dataclasses.field(default=False, metadata=dict(static=True))
@@ -63,8 +68,13 @@ class PanelWeight:
 
     @property
     def dtype(self):
-        """The panels' storage dtype (float32, or int8 for a quantized weight)."""
+        """The panels' storage dtype (float32, int8 for a quantized weight, or bfloat16)."""
         return self.panels.dtype
+
+    @property
+    def depth(self) -> int:
+        """K: the product of the contracted axes (a transposed weight's last axis)."""
+        return self.shape[1] if self.transposed else math.prod(self.shape[: self.contracted])
 
     @property
     def columns(self) -> int:
@@ -82,9 +92,9 @@ class PanelWeight:
             raise TypeError("a PanelWeight is read whole (param[...]); unpack() it to index it")
         return self
 
-    def matrix(self) -> jax.Array:  # f32[K, N]
-        """The weight as the [K, N] matrix that was packed (an int8 weight's, dequantized)."""
-        return dequantized_matrix(self.panels, self.columns, self.scales, self.mins)
+    def matrix(self) -> jax.Array:  # [K, N]
+        """The weight as the [K, N] matrix that was packed (an int8 weight's dequantized to f32; bf16 stays bf16)."""
+        return dequantized_matrix(self.panels, self.columns, self.scales, self.mins, depth=self.depth)
 
     def unpack(self) -> jax.Array:  # shape
         """The weight in its own shape."""
@@ -96,7 +106,9 @@ def embedding_rows(embed, tokens: jax.Array) -> jax.Array:  # [T, D]
     vector is column t % 48 of panel t // 48)."""
     if isinstance(embed, PanelWeight):
         panel, column = tokens // PANEL_WIDTH, tokens % PANEL_WIDTH
-        rows = embed.panels[panel, :, column]  # [T, D]
+        rows = embed.panels[panel, :, column]  # [T, D], or bf16 pairs [T, ceil(D / 2), 2]
+        if rows.ndim == 3:
+            return rows.reshape(rows.shape[0], -1)[:, : embed.depth]
         if embed.scales is None:
             return rows
         depth = rows.shape[1]
@@ -118,22 +130,26 @@ def as_matrix(weight, contracted: int):
 
 @functools.partial(jax.jit, static_argnames=("contracted", "transposed", "quantization"))
 def _pack(value: jax.Array, contracted: int, transposed: bool, quantization: str | None):
-    """(panels, scales, mins; None for f32) of value's [K, N] matrix (of its transpose's: a tied embedding), in one
-    program: no intermediate copy of the weight."""
+    """(panels, scales, mins; None for f32 and bf16) of value's [K, N] matrix (of its transpose's: a tied embedding),
+    in one program: no intermediate copy of the weight. bf16 values become bf16 panels, in pairs."""
     matrix = value.T if transposed else value.reshape(math.prod(value.shape[:contracted]), -1)
-    return quantize_panels_int8(matrix) if quantization == "int8" else (pack_panels(matrix), None, None)
+    if quantization == "int8":
+        return quantize_panels_int8(matrix)
+    return (pack_panels_bf16(matrix) if value.dtype == jnp.bfloat16 else pack_panels(matrix)), None, None
 
 
-def _packings(state: nnx.State, quantization: str | None):
+def _packings(state: nnx.State, quantization: str | None, bf16: bool = False):
     """(variable, its PanelWeight) for each f32 projection weight of `state` (PROJECTION_CONTRACTED_AXES, and a tied
-    embedding, which is the lm_head too), each packed only when the caller asks for the next one."""
+    embedding, which is the lm_head too), and each bf16 one with `bf16`, each packed only when the caller asks for
+    the next one."""
     if quantization not in WEIGHT_QUANTIZATIONS:
         raise ValueError(f"weight quantization {quantization!r} is not supported; use one of {WEIGHT_QUANTIZATIONS}")
+    dtypes = (jnp.float32, jnp.bfloat16) if bf16 else (jnp.float32,)
     flat = nnx.to_flat_state(state)
     tied = not any(str(path[-1]) == "lm_head" for path, _ in flat)
     for path, variable in flat:
         value, name = variable.get_value(), str(path[-1])
-        if not isinstance(value, jax.Array) or value.dtype != jnp.float32:
+        if not isinstance(value, jax.Array) or value.dtype not in dtypes:
             continue
         if name in PROJECTION_CONTRACTED_AXES:
             contracted = PROJECTION_CONTRACTED_AXES[name]
@@ -144,29 +160,32 @@ def _packings(state: nnx.State, quantization: str | None):
             yield variable, PanelWeight(panels, tuple(value.shape), transposed=True, scales=scales, mins=mins)
 
 
-def pack_projections(state: nnx.State, quantization: str | None = None) -> nnx.State:
+def pack_projections(state: nnx.State, quantization: str | None = None, *, bf16: bool = False) -> nnx.State:
     """A new state whose f32 projection weights (and tied embedding) are PanelWeights, the rest as in `state`, which
     keeps its arrays.
 
     Args:
       state: a model's state.
       quantization: None to keep the weights' f32 values, or "int8" (a scale and min per group and column).
+      bf16: pack bf16 projection weights too, as bf16 panels (pallas_kernels.pack_panels_bf16).
     """
-    replaced = {id(variable): variable.replace(panels) for variable, panels in _packings(state, quantization)}
+    packings = _packings(state, quantization, bf16)
+    replaced = {id(variable): variable.replace(panels) for variable, panels in packings}
     return nnx.from_flat_state(
         [(path, replaced.get(id(variable), variable)) for path, variable in nnx.to_flat_state(state)]
     )
 
 
-def pack_projections_in_place(state: nnx.State, quantization: str | None = None) -> None:
+def pack_projections_in_place(state: nnx.State, quantization: str | None = None, *, bf16: bool = False) -> None:
     """pack_projections, each variable of `state` given its PanelWeight in turn: a weight's [K, N] array is freed
     before the next one is packed, where nothing else holds it (so packing costs one weight's memory, not a model's)."""
-    for variable, panels in _packings(state, quantization):
+    for variable, panels in _packings(state, quantization, bf16):
         variable.set_value(panels)
 
 
 def unpacked_state(state: nnx.State) -> nnx.State:
-    """`state` with every PanelWeight back in its own shape (what checkpoints store; an int8 one dequantized)."""
+    """`state` with every PanelWeight back in its own shape (what checkpoints store; an int8 one dequantized, a bf16
+    one in bf16)."""
     flat = []
     for path, variable in nnx.to_flat_state(state):
         value = variable.get_value()

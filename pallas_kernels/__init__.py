@@ -6,8 +6,10 @@ from pallas_kernels.cpu_greedy_token import greedy_tokens_cpu, greedy_tokens_ref
 from pallas_kernels.cpu_panel_matmul import (
     INT8_GROUP_ROWS,
     PANEL_WIDTH,
+    bf16_panels_pay,
     dequantized_matrix,
     pack_panels,
+    pack_panels_bf16,
     panel_layout_pays,
     panel_matmul_cpu,
     panel_matmul_reference,
@@ -50,6 +52,7 @@ from pallas_kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
 from pallas_kernels.reference import ragged_paged_attention_reference
 
 __all__ = [
+    "bf16_panels_pay",
     "greedy_tokens_cpu",
     "greedy_tokens_reference",
     "INT8_GROUP_ROWS",
@@ -74,6 +77,7 @@ __all__ = [
     "native_matmul_reads",
     "num_kv_heads_of",
     "pack_panels",
+    "pack_panels_bf16",
     "page_bytes",
     "page_view",
     "pages_for",

@@ -97,6 +97,51 @@ inline Vec MultiplyAdd(Vec a, Vec b, Vec c) {
 #endif
 }
 
+// Two bf16 values of one weight column, contraction rows 2k (low half) and 2k + 1 (high half): the bf16 panel layout's
+// element, whose kLanes-long vectors are what AVX-512 BF16's VDPBF16PS multiplies.
+struct Bf16Pair {
+  uint32_t bits;
+};
+inline Vec LoadValues(const Bf16Pair* p) {  // kLanes pairs as they are (the bits, not values)
+  Vec v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// acc + x_high * w_high + x_low * w_low, lane by lane over kLanes pairs of bf16 (x and w each hold a Bf16Pair per
+// lane), rounded after each add, the high pair first: VDPBF16PS where the CPU has it (which also treats denormal
+// inputs and sums as zero), else the same adds spelled out. Products of two bf16 are exact in f32.
+inline Vec DotPairs(Vec acc, Vec x, Vec w) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  return (Vec)_mm512_dpbf16_ps((__m512)acc, (__m512bh)x, (__m512bh)w);
+#else
+  IntVec x_bits, w_bits;
+  __builtin_memcpy(&x_bits, &x, sizeof(x));
+  __builtin_memcpy(&w_bits, &w, sizeof(w));
+  auto high = [](IntVec bits) {
+    const IntVec masked = bits & static_cast<int32_t>(0xFFFF0000u);
+    Vec value;
+    __builtin_memcpy(&value, &masked, sizeof(value));
+    return value;
+  };
+  auto low = [](IntVec bits) {
+    const IntVec shifted = bits << 16;
+    Vec value;
+    __builtin_memcpy(&value, &shifted, sizeof(value));
+    return value;
+  };
+  return MultiplyAdd(low(x_bits), low(w_bits), MultiplyAdd(high(x_bits), high(w_bits), acc));
+#endif
+}
+
+// f32 to bf16 bits, rounded to nearest even (a NaN stays a NaN): what jnp's astype(bfloat16) gives.
+inline uint16_t RoundToBf16(float value) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &value, sizeof(bits));
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
 // e^x for x <= 0, lane by lane, for any GCC vector V of f32 with IV its int32 vector: x = n ln2 + r with
 // |r| <= ln2 / 2, e^r by a degree-7 polynomial (its Taylor coefficients), 2^n put into the exponent bits. Below -87
 // (where e^x leaves f32's normal range) it gives e^-87, which beside the row's maximum weight of 1 is nothing; masked

@@ -27,6 +27,13 @@
 // that every tile height rounds alike. Under kRowBlock rows, sums and totals stay in registers over kGroupsFew
 // groups, in tiles of kGroupRowBlock rows; more rows take a block per group with kRowBlock-row tiles, the total
 // through `out`. Both do the same operations in the same order.
+//
+// bf16 panels (PaxkvCpuPanelMatmulBf16) hold contraction rows in pairs, [P, ceil(K / 2), kPanelWidth, 2]: a step of
+// the contraction is two rows, and a weight vector is kLanes columns' pairs, which AVX-512 BF16's VDPBF16PS multiplies
+// by a pair of x's values rounded to bf16 (DotPairs): twice the multiply-adds per instruction and half the bytes of
+// f32. x is rounded to bf16 once per call (ToBf16Pairs), and from there every path is the f32 one with Bf16Pair
+// weights and half as many steps: the same tiles, blocks, packing and prefetches (a block of pairs holds as many
+// bytes as an f32 block of as many steps).
 
 #include <algorithm>
 #include <atomic>
@@ -355,6 +362,39 @@ const float* PackRowTiles(ffi::ThreadPool& pool, const float* x, int64_t t_size,
   return to;
 }
 
+// x[T, K] rounded to bf16, each row padded with a zero to whole pairs: [T, ceil(K / 2)] Bf16Pairs (contraction rows
+// 2k and 2k + 1 of a row in pair k), viewed as floats for PackRowTiles, which only moves them. Rows split over the
+// pool when there are many.
+const float* ToBf16Pairs(ffi::ThreadPool& pool, const float* x, int64_t t_size, int64_t k_size,
+                         std::vector<float>& pairs) {
+  const int64_t pair_steps = (k_size + 1) / 2;
+  pairs = packed_buffers.Take(t_size * pair_steps);
+  uint16_t* to = reinterpret_cast<uint16_t*>(pairs.data());
+  auto row = [&](int64_t t) {
+    const float* from = x + t * k_size;
+    uint16_t* row_to = to + t * 2 * pair_steps;
+    int64_t k = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    for (; k + kLanes <= k_size; k += kLanes) {
+      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_loadu_ps(from + k));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row_to + k), (__m256i)rounded);
+    }
+#endif
+    for (; k < k_size; ++k) row_to[k] = RoundToBf16(from[k]);
+    if (k_size % 2) row_to[k_size] = 0;
+  };
+  constexpr int64_t kRowsPerItem = 64;
+  auto rows = [&](int64_t item) {
+    for (int64_t t = item * kRowsPerItem; t < std::min(t_size, (item + 1) * kRowsPerItem); ++t) row(t);
+  };
+  if (t_size <= kRowsPerItem) {
+    rows(0);
+  } else {
+    ParallelFor(pool, (t_size + kRowsPerItem - 1) / kRowsPerItem, rows);
+  }
+  return pairs.data();
+}
+
 // out[T, P * kPanelWidth] = x[T, K] @ the panels (an int8 weight's with `scales` and `mins`: see Groups), one work item
 // per few consecutive panels (one contiguous run). Few rows: panel by panel, all rows at once. More: kRowChunk rows at
 // a time through every panel of the item (the chunk of x stays in the second-level cache across the item's panels, as
@@ -502,6 +542,32 @@ ffi::Error PanelMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
                         mins.typed_data(), out->typed_data());
 }
 
+ffi::Error PanelMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer panels,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  auto x_dims = x.dimensions();
+  auto p_dims = panels.dimensions();
+  if (panels.element_type() != ffi::DataType::BF16 || x_dims.size() != 2 || p_dims.size() != 4 ||
+      p_dims[2] != kPanelWidth || p_dims[3] != 2) {
+    return ffi::Error::InvalidArgument("expected x[T, K] and bf16 panels[P, ceil(K / 2), 48, 2]");
+  }
+  if (p_dims[1] != (x_dims[1] + 1) / 2) {
+    return ffi::Error::InvalidArgument("the panels' contraction pairs do not match x's contraction dimension");
+  }
+  const int64_t t_size = x_dims[0], k_size = x_dims[1], num_panels = p_dims[0];
+  float* result = out->typed_data();
+  if (t_size == 0 || num_panels == 0) return ffi::Error::Success();
+  if (k_size == 0) {
+    std::fill(result, result + t_size * num_panels * kPanelWidth, 0.0f);
+    return ffi::Error::Success();
+  }
+  std::vector<float> pairs;  // back to packed_buffers at the end
+  const float* x_pairs = ToBf16Pairs(pool, x.typed_data(), t_size, k_size, pairs);
+  MatmulPanels(pool, x_pairs, reinterpret_cast<const Bf16Pair*>(panels.untyped_data()), nullptr, nullptr, result,
+               t_size, (k_size + 1) / 2, num_panels);
+  packed_buffers.Give(std::move(pairs));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuPanelMatmulF32, PanelMatmul,
@@ -518,4 +584,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuPanelMatmulInt8, PanelMatmulInt8,
                                   .Arg<ffi::Buffer<ffi::S8>>()     // panels: [P, K, 48]
                                   .Arg<ffi::Buffer<ffi::F32>>()    // scales: [P, ceil(K / 32), 48]
                                   .Arg<ffi::Buffer<ffi::F32>>()    // mins: [P, ceil(K / 32), 48]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out: [T, P * 48]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuPanelMatmulBf16, PanelMatmulBf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // x: [T, K]
+                                  .Arg<ffi::AnyBuffer>()           // panels: bf16[P, ceil(K / 2), 48, 2]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out: [T, P * 48]

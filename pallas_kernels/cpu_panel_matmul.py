@@ -15,6 +15,12 @@ the native kernels may not run (it folds the unpacking into the dot at 2048 rows
 
 Numerics: f32 products and sums, each output summed over K in one order whatever the other rows are.
 
+bf16 panels (pack_panels_bf16) hold a bf16 weight's contraction rows in pairs, [P, ceil(K / 2), 48, 2] (K padded with
+a zero row to even): each element is the two values of one column that AVX-512 BF16's VDPBF16PS multiplies at once,
+by x's values rounded to bf16. Twice the multiply-adds per instruction of f32, and half the bytes. Numerics are those
+of a bf16 weight in models.layers.project: x rounded to bf16, products exact in f32, f32 sums (rounded after each
+product, the pair's second row first; denormal inputs and sums flushed to zero where the instruction runs).
+
 int8 panels (weight-only quantization, quantize_panels_int8) hold q = round((w - min) / scale) with an f32 scale and
 min per column and group of INT8_GROUP_ROWS contraction rows, spanning the group's values in 256 levels. The groups
 are a GGUF block's 32 contraction rows: a Q4_1 block that uses its lowest and highest levels comes back within f32
@@ -50,6 +56,26 @@ def pack_panels(weight: jax.Array) -> jax.Array:  # [K, N] -> [ceil(N / 48), K, 
     return padded.reshape(depth, num_panels, PANEL_WIDTH).transpose(1, 0, 2)
 
 
+def bf16_panels_pay(cpu_flags: frozenset[str] | None = None) -> bool:
+    """Whether bf16 projection weights are worth storing as bf16 panels on this CPU: AVX-512 BF16 without AMX (a CPU
+    with AMX multiplies bf16 faster with its tiles: the AMX kernel at decode sizes, XLA's AMX matmuls for prompts).
+
+    Args:
+      cpu_flags: the CPU's feature flags as /proc/cpuinfo names them (default: this machine's).
+    """
+    flags = cpu_feature_flags() if cpu_flags is None else cpu_flags
+    return "avx512_bf16" in flags and "amx_bf16" not in flags and panel_layout_pays(flags)
+
+
+def pack_panels_bf16(weight: jax.Array) -> jax.Array:  # [K, N] -> bf16[ceil(N / 48), ceil(K / 2), 48, 2]
+    """`weight` rounded to bf16 in the paired panel layout: element [p, k, c, j] is w[2k + j, 48p + c], K padded with a
+    zero row to even and N with zero columns to whole panels."""
+    depth, columns = weight.shape
+    num_panels = -(-columns // PANEL_WIDTH)
+    padded = jnp.pad(weight.astype(jnp.bfloat16), ((0, depth % 2), (0, num_panels * PANEL_WIDTH - columns)))
+    return padded.reshape(-1, 2, num_panels, PANEL_WIDTH).transpose(2, 0, 3, 1)
+
+
 INT8_GROUP_ROWS = 32  # contraction rows per scale and min (cpu_panel_matmul.cc's kGroupRows)
 
 
@@ -80,18 +106,27 @@ def group_rows(per_group: jax.Array, depth: int) -> jax.Array:  # f32[K, N']
     return jnp.repeat(unpack_panels(per_group, per_group.shape[0] * PANEL_WIDTH), INT8_GROUP_ROWS, axis=0)[:depth]
 
 
-def unpack_panels(panels: jax.Array, columns: int) -> jax.Array:  # [P, K, 48] -> [K, columns]
-    """The [K, N] weight that pack_panels laid out (under jit, XLA folds this into the matmul that reads it)."""
-    num_panels, depth, width = panels.shape
-    return panels.transpose(1, 0, 2).reshape(depth, num_panels * width)[:, :columns]
+def unpack_panels(panels: jax.Array, columns: int, depth: int | None = None) -> jax.Array:  # [K, columns]
+    """The [K, N] weight that pack_panels (or pack_panels_bf16: pass K as `depth`) laid out (under jit, XLA folds
+    this into the matmul that reads it)."""
+    if panels.ndim == 4:  # bf16 pairs [P, K / 2, 48, 2]
+        num_panels, pairs, width, _ = panels.shape
+        matrix = panels.transpose(1, 3, 0, 2).reshape(2 * pairs, num_panels * width)
+        return matrix[: 2 * pairs if depth is None else depth, :columns]
+    num_panels, rows, width = panels.shape
+    return panels.transpose(1, 0, 2).reshape(rows, num_panels * width)[:, :columns]
 
 
 def dequantized_matrix(
-    panels: jax.Array, columns: int, scales: jax.Array | None = None, mins: jax.Array | None = None
-) -> jax.Array:  # f32[K, N]
-    """The [K, N] f32 weight that panels hold: pack_panels' as laid out, quantize_panels_int8's levels times their
-    scales plus their mins."""
-    matrix = unpack_panels(panels, columns)
+    panels: jax.Array,
+    columns: int,
+    scales: jax.Array | None = None,
+    mins: jax.Array | None = None,
+    depth: int | None = None,
+) -> jax.Array:  # [K, N]
+    """The [K, N] weight that panels hold: pack_panels' (f32) and pack_panels_bf16's (bf16; K = `depth`) as laid out,
+    quantize_panels_int8's levels times their scales plus their mins (f32)."""
+    matrix = unpack_panels(panels, columns, depth)
     if scales is None:
         return matrix
     depth = matrix.shape[0]
@@ -101,26 +136,31 @@ def dequantized_matrix(
 def panel_matmul_reference(
     x: jax.Array, panels: jax.Array, columns: int, scales: jax.Array | None = None, mins: jax.Array | None = None
 ) -> jax.Array:  # f32[T, columns]
-    """x @ the unpacked (and dequantized) weight in f32, in jnp.
+    """x @ the unpacked (and dequantized) weight in f32, in jnp (bf16 panels: x rounded to bf16 first).
 
     Args:
       x: f32[T, K] activation rows.
-      panels: f32[P, K, 48] from pack_panels, or s8[P, K, 48] from quantize_panels_int8.
+      panels: f32[P, K, 48] from pack_panels, s8[P, K, 48] from quantize_panels_int8, or bf16[P, ceil(K / 2), 48, 2]
+        from pack_panels_bf16.
       columns: N, the weight's columns before padding.
       scales, mins: f32[P, ceil(K / 32), 48], the int8 panels' group scales and mins (None for f32 panels).
     """
-    return jnp.dot(x, dequantized_matrix(panels, columns, scales, mins), precision=jax.lax.Precision.HIGHEST)
+    matrix = dequantized_matrix(panels, columns, scales, mins, depth=x.shape[1]).astype(jnp.float32)
+    if panels.dtype == jnp.bfloat16:
+        x = x.astype(jnp.bfloat16).astype(jnp.float32)
+    return jnp.dot(x, matrix, precision=jax.lax.Precision.HIGHEST)
 
 
 def panel_matmul_cpu(
     x: jax.Array, panels: jax.Array, columns: int, scales: jax.Array | None = None, mins: jax.Array | None = None
 ) -> jax.Array:  # f32[T, columns]
-    """panel_matmul_reference through the native kernel (f32 x; f32 panels, or int8 ones with their scales; any T;
-    on CPU).
+    """panel_matmul_reference through the native kernel (f32 x; f32 panels, int8 ones with their scales, or bf16 pairs;
+    any T; on CPU).
 
     Args:
       x: f32[T, K] activation rows.
-      panels: f32[P, K, 48] from pack_panels, or s8[P, K, 48] from quantize_panels_int8.
+      panels: f32[P, K, 48] from pack_panels, s8[P, K, 48] from quantize_panels_int8, or bf16[P, ceil(K / 2), 48, 2]
+        from pack_panels_bf16.
       columns: N, the weight's columns before padding (the kernel's padding columns are dropped).
       scales, mins: f32[P, ceil(K / 32), 48], the int8 panels' group scales and mins (None for f32 panels).
     """
@@ -130,10 +170,13 @@ def panel_matmul_cpu(
     rows, depth = x.shape
     dtype = jnp.dtype(panels.dtype)
     quantized = dtype == jnp.int8
-    if panels.ndim != 3 or panels.shape[1:] != (depth, PANEL_WIDTH) or dtype not in PANEL_MATMUL_TARGETS:
+    paired = dtype == jnp.bfloat16
+    expected_layout = ((depth + 1) // 2, PANEL_WIDTH, 2) if paired else (depth, PANEL_WIDTH)
+    if panels.shape[1:] != expected_layout or dtype not in PANEL_MATMUL_TARGETS:
         raise ValueError(
-            f"the panel matmul takes x[T, K] in f32 and f32 or int8 panels[P, K, {PANEL_WIDTH}]; got x "
-            f"{list(x.shape)} {x.dtype} and panels {list(panels.shape)} {panels.dtype}"
+            f"the panel matmul takes x[T, K] in f32 and f32 or int8 panels[P, K, {PANEL_WIDTH}] or bf16 "
+            f"panels[P, ceil(K / 2), {PANEL_WIDTH}, 2]; got x {list(x.shape)} {x.dtype} and panels "
+            f"{list(panels.shape)} {panels.dtype}"
         )
     padded = panels.shape[0] * PANEL_WIDTH
     num_groups = -(-depth // INT8_GROUP_ROWS)
@@ -143,8 +186,8 @@ def panel_matmul_cpu(
     if shapes != ([expected] * 2 if quantized else [None, None]):
         raise ValueError(
             f"int8 panels take scales and mins f32{list(expected)} (one per group of {INT8_GROUP_ROWS} contraction "
-            f"rows and column, from quantize_panels_int8) and f32 panels neither; got {dtype} panels, scales and "
-            f"mins of shapes {shapes}"
+            f"rows and column, from quantize_panels_int8) and f32 and bf16 panels neither; got {dtype} panels, "
+            f"scales and mins of shapes {shapes}"
         )
     if not 0 <= columns <= padded:
         raise ValueError(f"columns={columns} does not fit {panels.shape[0]} panels of {PANEL_WIDTH}")

@@ -65,6 +65,7 @@ AMX_MATMUL_TARGETS = {
 PANEL_MATMUL_TARGETS = {
     jnp.dtype(jnp.float32): ("paxkv_cpu_panel_matmul_f32", "PaxkvCpuPanelMatmulF32"),
     jnp.dtype(jnp.int8): ("paxkv_cpu_panel_matmul_int8", "PaxkvCpuPanelMatmulInt8"),  # with group scales
+    jnp.dtype(jnp.bfloat16): ("paxkv_cpu_panel_matmul_bf16", "PaxkvCpuPanelMatmulBf16"),  # contraction rows in pairs
 }
 
 

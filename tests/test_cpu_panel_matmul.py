@@ -24,8 +24,10 @@ from models.packed_weights import (
 from pallas_kernels import (
     INT8_GROUP_ROWS,
     PANEL_WIDTH,
+    bf16_panels_pay,
     dequantized_matrix,
     pack_panels,
+    pack_panels_bf16,
     panel_matmul_cpu,
     panel_matmul_reference,
     quantize_panels_int8,
@@ -173,14 +175,75 @@ def test_a_model_packed_for_the_native_matmul_scores_and_generates_as_unpacked(t
             np.testing.assert_array_equal(np.asarray(restored.get_value()), original[path], str(path))
 
 
-def test_only_native_f32_models_on_one_device_are_packed():
+def test_only_native_models_on_one_device_are_packed_and_bf16_ones_where_the_cpu_has_avx512_bf16_alone():
     assert not panels_pay_here(False, None)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
     assert panels_pay_here(True, mesh) == panels_pay_here(True, None)
     bf16 = models.load(None, dtype="bfloat16", attention_impl="cpu_native", require_tokenizer=False)
     before = jax.tree.leaves(bf16.state)
-    bf16.pack_for_native_matmul()  # nothing f32 to pack: the state keeps its arrays
-    assert all(a is b for a, b in zip(before, jax.tree.leaves(bf16.state), strict=True))
+    bf16.pack_for_native_matmul()
+    after = jax.tree.leaves(bf16.state, is_leaf=lambda leaf: isinstance(leaf, PanelWeight))
+    gate = dict(nnx.to_flat_state(bf16.state))[("layers", 0, "mlp", "gate")].get_value()
+    if panels_pay_here(True, None) and bf16_panels_pay():
+        assert isinstance(gate, PanelWeight) and gate.dtype == jnp.bfloat16
+    else:  # nothing to pack here: the state keeps its arrays
+        assert all(a is b for a, b in zip(before, after, strict=True))
+    avx512 = frozenset({"avx512f"})
+    assert bf16_panels_pay(avx512 | {"avx512_bf16"}) == (native_kernel_error() is None)
+    assert not bf16_panels_pay(avx512 | {"avx512_bf16", "amx_bf16"})  # AMX's kernel and XLA's AMX matmuls instead
+    assert not bf16_panels_pay(avx512)
+
+
+def _bf16_panel_matmul(x, weight, contraction_last=False):
+    assert not contraction_last
+    return panel_matmul_cpu(x, pack_panels_bf16(weight), weight.shape[1])
+
+
+def _bf16_panel_reference(x, weight, contraction_last=False):
+    assert not contraction_last
+    return panel_matmul_reference(x, pack_panels_bf16(weight), weight.shape[1])
+
+
+def test_bf16_packing_pairs_contraction_rows_and_unpacks_exactly():
+    """Element [p, k, c, j] is w[2k + j, 48p + c]: an odd depth gets a zero row, and columns pad to whole panels."""
+    weight = jnp.asarray(np.arange(5 * 100).reshape(5, 100), jnp.bfloat16)  # integers below 256: exact in bf16
+    panels = np.asarray(pack_panels_bf16(weight).astype(jnp.float32))
+    assert panels.shape == (3, 3, PANEL_WIDTH, 2)
+    w = np.asarray(weight.astype(jnp.float32))
+    assert panels[1, 2, 5, 0] == w[4, 53] and panels[0, 1, 7, 1] == w[3, 7] and panels[2, 0, 3, 1] == w[1, 99]
+    np.testing.assert_array_equal(panels[:, 2, :, 1], 0)  # the padding row
+    np.testing.assert_array_equal(panels[2, :, 100 - 2 * PANEL_WIDTH :], 0)  # the padding columns
+    np.testing.assert_array_equal(np.asarray(unpack_panels(pack_panels_bf16(weight), 100, depth=5)), weight)
+
+
+@needs_native
+def test_bf16_panels_are_within_f32_summation_error_of_the_exact_product_of_x_rounded_to_bf16():
+    """Every shape (odd depths 3 and 37 among them) and row count, and the jnp reference, against x rounded to bf16
+    times the bf16 weight in float64."""
+    check_within_summation_error(
+        _bf16_panel_matmul, _bf16_panel_reference, SHAPES, ROWS, "bfloat16", contraction_last=False, seed_stride=1000
+    )
+
+
+@needs_native
+def test_a_bf16_rows_result_does_not_depend_on_the_other_rows():
+    """Batch invariance with bf16 panels, bit for bit: one row, a few-row block, the chunked deep blocks."""
+    x, weight = random_case(14, 100, 1536, 576, "bfloat16", False)
+    panels = pack_panels_bf16(weight)
+    together = np.asarray(panel_matmul_cpu(x, panels, 576))
+    np.testing.assert_array_equal(np.asarray(panel_matmul_cpu(x[:40], panels, 576)), together[:40])
+    for row in (0, 7, 8, 31, 32, 39, 99):
+        alone = np.asarray(panel_matmul_cpu(x[row : row + 1], panels, 576))
+        np.testing.assert_array_equal(alone[0], together[row])
+
+
+@needs_native
+def test_bf16_panels_of_the_wrong_depth_are_refused():
+    x, weight = random_case(15, 4, 64, 96, "bfloat16", False)
+    with pytest.raises(ValueError, match="ceil"):
+        panel_matmul_cpu(x[:, :62], pack_panels_bf16(weight), 96)  # 31 pairs of x against 32 of the panels
+    with pytest.raises(ValueError, match="ceil"):
+        panel_matmul_cpu(x, pack_panels_bf16(weight).reshape(2, 32, 96), 96)  # unpaired
 
 
 def _int8_case(seed: int, rows: int, depth: int, columns: int):
@@ -349,3 +412,30 @@ def test_quantization_that_cannot_run_here_is_refused_naming_the_fix(tiny_llama_
         models.load(checkpoint, attention_impl="xla", quantization="int8", require_tokenizer=False)
     with pytest.raises(ValueError, match="'none' or 'int8'"):
         models.load(checkpoint, quantization="int4", require_tokenizer=False)
+
+
+@needs_native
+@pytest.mark.parametrize("tied", [False, True], ids=["own_lm_head", "tied_embedding"])
+def test_a_bf16_model_packed_as_bf16_panels_follows_the_same_model_unpacked(tiny_llama_checkpoint, tied):
+    """bf16 weights as bf16 panels (every projection, and the tied embedding, whose token rows the lookup reads from
+    the pairs): the same greedy tokens as the unpacked bf16 model, logits within the summation-order differences
+    that bf16 rounding of the next layer's activations can amplify, and the original arrays back on unpacking."""
+    checkpoint = tiny_llama_checkpoint(max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=tied)
+    loaded = models.load(checkpoint, dtype="bfloat16", attention_impl="cpu_native", require_tokenizer=False)
+    ids = [5, 17, 99, 3, 42, 7, 255, 0]
+    logits = loaded.score(ids)
+    tokens = loaded.greedy_generate(ids, 8, stop_at_eos=False)
+    packed = models.LoadedModel(**{**loaded.__dict__, "state": pack_projections(loaded.state, bf16=True)})
+    flat = dict(nnx.to_flat_state(packed.state))
+    gate, embed = (flat[path].get_value() for path in [("layers", 0, "mlp", "gate"), ("embed",)])
+    assert isinstance(gate, PanelWeight) and gate.dtype == jnp.bfloat16 and gate.panels.shape == (3, 32, 48, 2)
+    assert isinstance(embed, PanelWeight) == tied
+    packed_logits = packed.score(ids)
+    relative = np.linalg.norm(packed_logits - logits) / np.linalg.norm(logits)
+    assert relative < 2**-9, relative
+    assert packed.greedy_generate(ids, 8, stop_at_eos=False) == tokens
+    originals = dict(nnx.to_flat_state(loaded.state))
+    for path, restored in nnx.to_flat_state(unpacked_state(packed.state)):
+        restored, original = restored.get_value(), originals[path].get_value()
+        assert restored.dtype == original.dtype
+        np.testing.assert_array_equal(np.asarray(restored, np.float32), np.asarray(original, np.float32), str(path))
