@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from pallas_kernels.cpu_kv_write import write_kv_rows_cpu
 from pallas_kernels.quantization import (
     QuantizedKVPages,
     empty_quantized_pages,
@@ -91,15 +92,20 @@ def write_kv(
     k: jax.Array,  # [T, K, D]
     v: jax.Array,  # [T, K, D]
     slots: jax.Array,  # i32[T]
+    *,
+    native: bool = False,
 ) -> jax.Array | QuantizedKVPages:
     """Scatter new K/V into their slots (one XLA scatter into the donated pool, in place).
 
-    8-bit pools (QuantizedKVPages) are quantized on the way in, one scale per token and KV head.
+    8-bit pools (QuantizedKVPages) are quantized on the way in, one scale per token and KV head. With `native`, a
+    bf16 pool's rows go in through the native CPU kernel instead (cpu_kv_write: XLA:CPU's bf16 scatter copies the
+    whole pool).
 
     Args:
       kv_pages: one layer's page pool, plain or 8-bit (FP8 or int8) with scales.
       k, v: the new tokens' keys and values.
       slots: page * page_size + offset for each token; padding points into the null page 0.
+      native: the model runs the native CPU kernels (attention_impl resolved to cpu_native).
     """
     num_pages, page_size, width = kv_pages.shape
     num_tokens, num_kv_heads, head_dim = k.shape
@@ -110,7 +116,10 @@ def write_kv(
         )
     kv = jnp.stack([k, v], axis=2).reshape(num_tokens, 2 * num_kv_heads, head_dim)  # k0, v0, k1, v1, ...
     if not isinstance(kv_pages, QuantizedKVPages):
-        return _scatter_rows(kv_pages, kv.reshape(num_tokens, width).astype(kv_pages.dtype), slots)
+        rows = kv.reshape(num_tokens, width).astype(kv_pages.dtype)
+        if native and kv_pages.dtype == jnp.bfloat16:
+            return write_kv_rows_cpu(kv_pages, rows, slots)
+        return _scatter_rows(kv_pages, rows, slots)
     quantized, scales = quantize_per_row(kv, kv_pages.dtype)  # [T, 2K, D], bf16[T, 2K]
     bits = jax.lax.bitcast_convert_type(quantized, jnp.uint8).reshape(num_tokens, width)
     pages = _scatter_rows(kv_pages.pages, bits, slots)

@@ -30,6 +30,7 @@ SOURCES = tuple(
         "cpu_amx_matmul.cc",
         "cpu_panel_matmul.cc",
         "cpu_greedy_token.cc",
+        "cpu_kv_write.cc",
     )
 )
 # The headers they include from beside themselves: part of the library's cache key.
@@ -71,6 +72,8 @@ PANEL_MATMUL_TARGETS = {
 
 # FFI target and library symbol of the greedy-token kernel (f32 logits).
 GREEDY_TOKEN_TARGET = ("paxkv_cpu_greedy_tokens", "PaxkvCpuGreedyTokens")
+# FFI target and library symbol of the in-place KV write (plain bf16 pools).
+KV_WRITE_TARGET = ("paxkv_cpu_write_kv_rows", "PaxkvCpuWriteKvRows")
 
 
 def _cache_dir() -> str:
@@ -159,6 +162,7 @@ def load() -> str | None:
                 *AMX_MATMUL_TARGETS.values(),
                 *PANEL_MATMUL_TARGETS.values(),
                 GREEDY_TOKEN_TARGET,
+                KV_WRITE_TARGET,
             )
             for target, symbol in targets:
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")

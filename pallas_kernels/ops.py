@@ -110,7 +110,8 @@ def paged_attention(
     """Write this step's K/V into the pool, then attend each token over its sequence's pages.
 
     The write is one XLA scatter into the donated pool (quantizing for 8-bit pools), for every
-    implementation; the attention kernels then read the pages it wrote. An 8-bit pool holds K/V
+    implementation (a bf16 pool under cpu_native: the native in-place write); the attention kernels then
+    read the pages it wrote. An 8-bit pool holds K/V
     turned by quantization.rotation_matrix R: q is turned the same way, so q.k is unchanged,
     and the output is turned back.
 
@@ -127,7 +128,7 @@ def paged_attention(
     quantized = isinstance(kv_pages, QuantizedKVPages)
     if quantized:
         q, k, v = rotate(q), rotate(k), rotate(v)
-    kv_pages = write_kv(kv_pages, k, v, metadata.slots)
+    kv_pages = write_kv(kv_pages, k, v, metadata.slots, native=attention_impl == "cpu_native")
     out = ragged_attention(
         q,
         kv_pages,
