@@ -31,6 +31,7 @@ from pallas_kernels.kv_pages import (
     pages_for,
     pool_partition_spec,
     write_kv,
+    write_pages,
 )
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.ops import (
@@ -98,4 +99,5 @@ __all__ = [
     "unpack_panels",
     "resolve_attention_impl",
     "write_kv",
+    "write_pages",
 ]

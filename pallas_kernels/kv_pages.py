@@ -132,6 +132,30 @@ def write_kv(
     return QuantizedKVPages(pages, new_scales, kv_pages.value_dtype, kv_pages.head_dim)
 
 
+def write_pages(
+    pool: jax.Array,  # [num_pages, page_size, W], or any array with the page on axis 0 (an 8-bit pool's leaves)
+    page_ids: jax.Array,  # i32[C]
+    values: jax.Array,  # [C, *pool.shape[1:]]
+    *,
+    native: bool = False,
+) -> jax.Array:
+    """pool with whole pages replaced, values[i] at page page_ids[i] (copy-on-write and swap-in): an XLA scatter, or
+    with `native` a bf16 pool's pages through the native in-place write, as runs of slots (XLA:CPU's bf16 scatter
+    copies the pool). Repeated pages (padding copies onto the null page) keep the last.
+
+    Args:
+      pool: one leaf of a layer's pool.
+      page_ids: the pages written.
+      values: their new contents.
+      native: the pool is on one CPU device whose model runs the native kernels.
+    """
+    if native and pool.ndim == 3 and pool.dtype == jnp.bfloat16:
+        page_size, width = pool.shape[1:]
+        slots = (page_ids[:, None] * page_size + jnp.arange(page_size, dtype=page_ids.dtype)).reshape(-1)
+        return write_kv_rows_cpu(pool, values.reshape(-1, width), slots)
+    return pool.at[page_ids].set(values)
+
+
 def _scatter_rows(pages: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
     """pages [num_pages, P, W] with rows [T, W] written at flat token slots.
 

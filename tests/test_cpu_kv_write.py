@@ -1,5 +1,5 @@
-"""The native in-place KV write of bf16 pools (pallas_kernels/cpu_kv_write.cc) against XLA's scatter, and write_kv's
-choice between them."""
+"""The native in-place KV write of bf16 pools (pallas_kernels/cpu_kv_write.cc) against XLA's scatter: rows
+(write_kv, and its choice between the two) and whole pages (copy_pages)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +10,7 @@ from pallas_kernels import write_kv
 from pallas_kernels.cpu_kv_write import write_kv_rows_cpu
 from pallas_kernels.kv_pages import _scatter_rows
 from pallas_kernels.native_library import native_kernel_error
+from paxkv.execution.step import copy_pages
 
 needs_native = pytest.mark.skipif(native_kernel_error() is not None, reason="the native CPU kernels do not build here")
 
@@ -75,3 +76,20 @@ def test_write_kv_takes_the_native_write_for_bf16_pools_only_when_asked():
         assert "paxkv_cpu_write_kv_rows" not in hlo[0]
         outputs = [np.asarray(fn(pages).astype(jnp.float32)) for fn in lowered.values()]
         np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
+@needs_native
+def test_page_copies_through_the_native_write_equal_xlas():
+    """copy_pages (copy-on-write) with `native`: a bf16 pool's pages land as whole runs of slots, bit for bit what
+    XLA's scatter gives, padding pairs (the null page onto itself) included; an f32 pool beside it keeps XLA's."""
+    pools = [_pool(6), _pool(7, dtype=jnp.float32)]
+    sources, destinations = jnp.asarray([1, 4, 0, 0], jnp.int32), jnp.asarray([3, 5, 0, 0], jnp.int32)
+    expected = [
+        np.asarray(p.astype(jnp.float32)) for p in copy_pages([jnp.array(p) for p in pools], sources, destinations)
+    ]
+    hlo = copy_pages.lower(pools, sources, destinations, True).as_text()
+    assert hlo.count("paxkv_cpu_write_kv_rows") == 1  # the bf16 pool only
+    copied = copy_pages([jnp.array(p) for p in pools], sources, destinations, True)
+    for out, want in zip(copied, expected, strict=True):
+        np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), want)
+    np.testing.assert_array_equal(expected[0][3], np.asarray(pools[0][1].astype(jnp.float32)))

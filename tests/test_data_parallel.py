@@ -140,8 +140,8 @@ def test_preemption_swap_and_forks_on_two_replicas(four_kv_heads, monkeypatch):
     swapped_in = []
     swap_in = HostSwapSpace.swap_in
 
-    def checked_swap_in(self, kv_caches, slots, pages):
-        kv_caches = swap_in(self, kv_caches, slots, pages)
+    def checked_swap_in(self, kv_caches, slots, pages, **options):
+        kv_caches = swap_in(self, kv_caches, slots, pages, **options)
         on_device = jax.device_get(jax.tree.leaves(jax.tree.map(lambda pool: pool[np.asarray(pages)], kv_caches)))
         for host, values in zip(self._host, on_device, strict=True):
             np.testing.assert_array_equal(values, host[slots])

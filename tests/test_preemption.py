@@ -35,14 +35,17 @@ def _pool(dtype: str, num_pages=12):
     return [layer, jax.tree.map(lambda x: x + 1 if not jnp.issubdtype(x.dtype, jnp.integer) else x ^ 1, layer)]
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["xla_scatter", "native_writes"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn", "int8"])
-def test_swap_round_trip_is_bit_exact(dtype):
+def test_swap_round_trip_is_bit_exact(dtype, native):
+    """Pages out and back in, bit for bit; with `native` (one CPU device, cpu_native), a bf16 pool's swap-in goes
+    through the native in-place write, every other pool's through XLA's scatter still."""
     pool = _pool(dtype)
     before = jax.device_get(jax.tree.leaves(pool))
     space = HostSwapSpace(pool, num_slots=6)
     slots = space.slots.allocate(3)
     space.swap_out(pool, [3, 5, 1], slots)
-    pool = space.swap_in(pool, slots, [7, 2, 4])
+    pool = space.swap_in(pool, slots, [7, 2, 4], native=native)
     after = jax.device_get(jax.tree.leaves(pool))
     for old, new in zip(before, after, strict=True):
         for source, destination in ((3, 7), (5, 2), (1, 4)):
@@ -93,11 +96,14 @@ def _engine(loaded, **config):
     return Engine(loaded, EngineConfig(**{**defaults, "min_padded_seqs": 8, "min_padded_tokens": 64, **config}))
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preempted_requests_give_the_unpreempted_tokens(loaded, mode):
+@pytest.mark.parametrize("mode,kv_cache_dtype", [("recompute", "auto"), ("swap", "auto"), ("swap", "bfloat16")])
+def test_preempted_requests_give_the_unpreempted_tokens(loaded, mode, kv_cache_dtype):
+    """A bf16 pool too: on CPU its rows and swapped-in pages go through the native in-place write."""
     prompts = _prompts(np.random.default_rng(0), [30, 5, 44, 17, 60, 9, 25, 38])
-    expected, _ = _run(_engine(loaded), prompts)
-    tight = _engine(loaded, num_pages=20, preemption_mode=mode, enable_prefix_caching=False)
+    expected, _ = _run(_engine(loaded, kv_cache_dtype=kv_cache_dtype), prompts)
+    tight = _engine(
+        loaded, num_pages=20, preemption_mode=mode, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype
+    )
     got, _ = _run(tight, prompts)
     assert got == expected
     other = "swap" if mode == "recompute" else "recompute"

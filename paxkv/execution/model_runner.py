@@ -331,6 +331,9 @@ class ModelRunner:
     def move_pages(self, batch: ScheduledBatch) -> None:
         """Before the step: pages out to the host (preemption by swap), back in (resumption), copies on write."""
         swap_space = self.pool.swap_space
+        # A bf16 pool on one CPU device takes its pages through the native write (XLA:CPU's bf16 scatter copies the
+        # pool); a pool over several devices keeps XLA's, which the partitioner splits.
+        native_writes = self.native and (self.mesh is None or self.mesh.devices.size == 1)
         for moves, direction in ((batch.swap_out, "out"), (batch.swap_in, "in")):
             if not moves:
                 continue
@@ -339,11 +342,12 @@ class ModelRunner:
             if direction == "out":
                 swap_space.swap_out(self.pool.kv_caches, first, second)
             else:
-                self.pool.kv_caches = swap_space.swap_in(self.pool.kv_caches, first, second)
+                self.pool.kv_caches = swap_space.swap_in(self.pool.kv_caches, first, second, native=native_writes)
             self.preemption.observe_transfer(swap_space.bytes_moved - moved, swap_space.seconds_moving - seconds)
             self.num_pages_swapped += len(moves)
         if batch.page_copies:
-            self.pool.kv_caches = copy_pages(self.pool.kv_caches, *page_copy_arrays(batch.page_copies))
+            sources, destinations = page_copy_arrays(batch.page_copies)
+            self.pool.kv_caches = copy_pages(self.pool.kv_caches, sources, destinations, native_writes)
 
     def check_largest_step_fits(self) -> None:
         """Where the device reports a memory limit (TPU, GPU), compile the largest step now and refuse to start when

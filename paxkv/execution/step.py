@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from models.paged_forward import bucket, logits_over_pages
-from pallas_kernels import greedy_tokens_cpu
+from pallas_kernels import greedy_tokens_cpu, write_pages
 from paxkv.execution.sampler import SamplingArrays, native_greedy_here, sample, top_logprobs
 from paxkv.execution.step_inputs import StepInputs
 from paxkv.execution.verification import DraftRows, count_accepted
@@ -295,15 +295,16 @@ def num_step_compilations() -> int:
     return sum(program._cache_size() for program in _STEP_PROGRAMS)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def copy_pages(kv_caches, sources: jax.Array, destinations: jax.Array):
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("native",))
+def copy_pages(kv_caches, sources: jax.Array, destinations: jax.Array, native: bool = False):
     """Copy whole pages within every layer's pool (copy-on-write of shared pages); the pool is donated.
 
     Args:
       kv_caches: per-layer page pools (any pytree whose leaves have the page on axis 0, FP8 scales included).
       sources, destinations: i32[C] page pairs; padding pairs copy the null page onto itself.
+      native: the pool is on one CPU device whose model runs the native kernels (pallas_kernels.write_pages).
     """
-    return jax.tree.map(lambda pool: pool.at[destinations].set(pool[sources]), kv_caches)
+    return jax.tree.map(lambda pool: write_pages(pool, destinations, pool[sources], native=native), kv_caches)
 
 
 def page_copy_arrays(page_copies: list[tuple[int, int]]) -> tuple[jax.Array, jax.Array]:

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.paged_forward import bucket
+from pallas_kernels import write_pages
 from paxkv.scheduling.swap_slots import HostSlotAllocator
 
 
@@ -22,10 +23,10 @@ def _gather(kv_caches, pages):
     return jax.tree.map(lambda pool: pool[pages], kv_caches)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _scatter(kv_caches, pages, values):
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("native",))
+def _scatter(kv_caches, pages, values, native: bool = False):
     # Padding entries write page 0, the null page, whose content nobody reads.
-    return jax.tree.map(lambda pool, value: pool.at[pages].set(value), kv_caches, values)
+    return jax.tree.map(lambda pool, value: write_pages(pool, pages, value, native=native), kv_caches, values)
 
 
 class HostSwapSpace:
@@ -69,12 +70,13 @@ class HostSwapSpace:
             host[slots] = values[:count]
         self._account(count, start)
 
-    def swap_in(self, kv_caches, slots: list[int], pages: list[int]):
+    def swap_in(self, kv_caches, slots: list[int], pages: list[int], *, native: bool = False):
         """Copy host `slots` into device `pages`; returns the new device pool (the old one is donated).
 
         Args:
           kv_caches: the device pool.
           slots, pages: equal-length lists.
+          native: the pool is on one CPU device whose model runs the native kernels (pallas_kernels.write_pages).
         """
         start = time.perf_counter()
         indices, count = _padded(pages)
@@ -85,7 +87,7 @@ class HostSwapSpace:
             block[:count] = host[slots]
             values.append(block)
         treedef = jax.tree.structure(kv_caches)
-        kv_caches = _scatter(kv_caches, indices, jax.tree.unflatten(treedef, values))
+        kv_caches = _scatter(kv_caches, indices, jax.tree.unflatten(treedef, values), native)
         jax.block_until_ready(kv_caches)
         self._account(count, start)
         return kv_caches
