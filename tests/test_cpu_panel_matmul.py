@@ -45,14 +45,17 @@ SHAPES = [(576, 192), (576, 1536), (1536, 576), (200, 50), (700, 96), (3, 20), (
 ROWS = [1, 7, 9, 33, 64, 65, 100]
 
 
-def _panel_matmul(x, weight, contraction_last=False):
-    assert not contraction_last
-    return panel_matmul_cpu(x, pack_panels(weight), weight.shape[1])
+def _packed(product, pack):
+    """product(x, pack(weight), N), called as check_within_summation_error calls a matmul."""
+
+    def call(x, weight, contraction_last=False):
+        assert not contraction_last
+        return product(x, pack(weight), weight.shape[1])
+
+    return call
 
 
-def _panel_reference(x, weight, contraction_last=False):
-    assert not contraction_last
-    return panel_matmul_reference(x, pack_panels(weight), weight.shape[1])
+_panel_matmul, _panel_reference = _packed(panel_matmul_cpu, pack_panels), _packed(panel_matmul_reference, pack_panels)
 
 
 def test_packing_lays_each_48_columns_out_as_one_panel_and_unpacks_exactly():
@@ -194,16 +197,6 @@ def test_only_native_models_on_one_device_are_packed_and_bf16_ones_where_the_cpu
     assert not bf16_panels_pay(avx512)
 
 
-def _bf16_panel_matmul(x, weight, contraction_last=False):
-    assert not contraction_last
-    return panel_matmul_cpu(x, pack_panels_bf16(weight), weight.shape[1])
-
-
-def _bf16_panel_reference(x, weight, contraction_last=False):
-    assert not contraction_last
-    return panel_matmul_reference(x, pack_panels_bf16(weight), weight.shape[1])
-
-
 def test_bf16_packing_pairs_contraction_rows_and_unpacks_exactly():
     """Element [p, k, c, j] is w[2k + j, 48p + c]: an odd depth gets a zero row, and columns pad to whole panels."""
     weight = jnp.asarray(np.arange(5 * 100).reshape(5, 100), jnp.bfloat16)  # integers below 256: exact in bf16
@@ -220,9 +213,8 @@ def test_bf16_packing_pairs_contraction_rows_and_unpacks_exactly():
 def test_bf16_panels_are_within_f32_summation_error_of_the_exact_product_of_x_rounded_to_bf16():
     """Every shape (odd depths 3 and 37 among them) and row count, and the jnp reference, against x rounded to bf16
     times the bf16 weight in float64."""
-    check_within_summation_error(
-        _bf16_panel_matmul, _bf16_panel_reference, SHAPES, ROWS, "bfloat16", contraction_last=False, seed_stride=1000
-    )
+    matmul, reference = _packed(panel_matmul_cpu, pack_panels_bf16), _packed(panel_matmul_reference, pack_panels_bf16)
+    check_within_summation_error(matmul, reference, SHAPES, ROWS, "bfloat16", contraction_last=False, seed_stride=1000)
 
 
 @needs_native
