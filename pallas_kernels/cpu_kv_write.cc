@@ -34,10 +34,10 @@ ffi::Error WriteRows(ffi::AnyBuffer pages, ffi::AnyBuffer rows, ffi::Buffer<ffi:
   if (to != pages.untyped_data()) std::memcpy(to, pages.untyped_data(), pages.size_bytes());  // not aliased
   const char* from = static_cast<const char*>(rows.untyped_data());
   const int32_t* slot = slots.typed_data();
-  for (int64_t t = 0; t < row_dims[0]; ++t) {
+  for (int64_t t = 0; t < row_dims[0]; ++t) {  // every slot checked before any row is written
     if (slot[t] < 0 || slot[t] >= num_slots) return ffi::Error::InvalidArgument("a slot lies outside the pool");
-    std::memcpy(to + slot[t] * row_bytes, from + t * row_bytes, row_bytes);
   }
+  for (int64_t t = 0; t < row_dims[0]; ++t) std::memcpy(to + slot[t] * row_bytes, from + t * row_bytes, row_bytes);
   return ffi::Error::Success();
 }
 
