@@ -38,6 +38,9 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_string("model", None, "A model for models.load (default: the embedded SmolLM2).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weight storage dtype (activations stay f32 on CPU).")
+flags.DEFINE_enum(
+    "kv_cache_dtype", "auto", ["auto", "float32", "bfloat16", "int8"], "KV pool dtype (auto: the activations')."
+)
 flags.DEFINE_enum("quantization", "none", ["none", "int8"], "Weight quantization (models.load's; int8 needs float32).")
 flags.DEFINE_string("out", "bench_results/profile_step", "Output path prefix for .json and .md.")
 
@@ -211,6 +214,7 @@ def main(argv):
             max_num_batched_tokens=2048,
             max_model_len=total_tokens + 16,
             speculative_config=speculative,
+            kv_cache_dtype=FLAGS.kv_cache_dtype,
         ),
     )
     rng = np.random.default_rng(0)
@@ -269,6 +273,7 @@ def main(argv):
         "tokens_per_step": split.pop("tokens_per_step"),
         "prompt_len": FLAGS.prompt_len,
         "dtype": FLAGS.dtype,
+        "kv_cache_dtype": FLAGS.kv_cache_dtype,
         "quantization": FLAGS.quantization,
         "backend": jax.default_backend(),
         "cpu_count": os.cpu_count(),
@@ -289,6 +294,7 @@ def _report_prefill(engine, loaded) -> None:
     split = _device_split(engine, loaded)
     tokens = split.pop("tokens_per_step")
     result = {"batch": FLAGS.batch, "prompt_len": FLAGS.prompt_len, "dtype": FLAGS.dtype, "prefill": True}
+    result["kv_cache_dtype"] = FLAGS.kv_cache_dtype
     result.update(backend=jax.default_backend(), cpu_count=os.cpu_count(), tokens_per_step=tokens)
     result["device_split_ms"] = split
     title = (
