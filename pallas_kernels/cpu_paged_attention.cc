@@ -209,15 +209,19 @@ void AttendRun(const Shapes& s, const float* q, const T* pages, const int32_t* b
 #include "cpu_paged_attention_lanes.h"  // AttendRunLanes, for short runs when head_dim is 32, 64 or 128
 #include "cpu_paged_attention_tiled.h"  // AttendRunTiled, for runs of kMinTiledRunTokens or more
 
-// The runs of a batch: maximal stretches of consecutive tokens with one row, cut every max_tokens tokens.
+// The runs of a batch: maximal stretches of consecutive tokens with one row, cut every max_tokens tokens. Padding
+// tokens (kv length 0; they may share the last live row) run apart, so a live token's path never depends on the
+// padding after it.
 struct Run {
   int64_t first, count;
 };
 
-std::vector<Run> RowRuns(const int32_t* rows, int64_t num_tokens, int64_t max_tokens) {
+std::vector<Run> RowRuns(const int32_t* rows, const int32_t* kv_lens, int64_t num_tokens, int64_t max_tokens) {
   std::vector<Run> runs;
   for (int64_t token = 0; token < num_tokens; ++token) {
-    if (!runs.empty() && rows[runs.back().first] == rows[token] && runs.back().count < max_tokens) {
+    const bool continues = !runs.empty() && rows[runs.back().first] == rows[token] &&
+                          (kv_lens[runs.back().first] > 0) == (kv_lens[token] > 0);
+    if (continues && runs.back().count < max_tokens) {
       ++runs.back().count;
     } else {
       runs.push_back({token, 1});
@@ -283,7 +287,8 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   const int32_t* kv_len_data = kv_lens.typed_data();
   float* out_data = out->typed_data();
   const bool tiled = soft_cap <= 0.0f && s.head_dim % kLanes == 0;
-  const std::vector<Run> runs = RowRuns(row_data, s.num_tokens, tiled ? kMaxTiledRunTokens : kMaxRunTokens);
+  const std::vector<Run> runs =
+      RowRuns(row_data, kv_len_data, s.num_tokens, tiled ? kMaxTiledRunTokens : kMaxRunTokens);
   const std::vector<int64_t> order = LongestRunsFirst(runs, position_data);
   const int64_t head_groups = HeadGroups(pool, s, static_cast<int64_t>(runs.size()));
   auto attend = [&](int64_t item) {

@@ -1,5 +1,6 @@
 """The native CPU attention kernel (pallas_kernels/cpu_paged_attention.cc) against the pure-jnp reference."""
 
+import dataclasses
 import os
 import shutil
 
@@ -179,6 +180,32 @@ def test_prefill_chunks_the_tiled_path_does_not_take(head_dim, soft_cap):
         padded_tokens=200,
     )
     _check(case, kv_read="auto", soft_cap=soft_cap)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_padding_in_the_last_row_changes_no_output(kv_dtype):
+    """Padded tokens take the last row when every row is live; they run apart from that row's live tokens, so a
+    decode token followed by 30 padded tokens (enough for the tiled path) is computed as with none, bit for bit."""
+    case = make_case(
+        11,
+        kv_lens=[50, 120, 33],
+        q_lens=[1, 40, 1],
+        page_size=16,
+        num_kv_heads=2,
+        group=3,
+        head_dim=64,
+        kv_dtype=kv_dtype,
+        padded_tokens=42 + 30,
+        padded_rows=3,
+    )
+    live = case.num_live_tokens
+    unpadded = dataclasses.replace(
+        case, q=case.q[:live], metadata=dataclasses.replace(case.metadata, slots=case.metadata.slots[:live])
+    )
+    padded_out, _ = _both(case)
+    out, _ = _both(unpadded)
+    np.testing.assert_array_equal(padded_out[:live], out)
+    np.testing.assert_array_equal(padded_out[live:], 0.0)
 
 
 def test_bad_page_ids_read_inside_the_pool():
