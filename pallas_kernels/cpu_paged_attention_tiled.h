@@ -21,31 +21,96 @@ constexpr int64_t kScoreTileSlots = 6;
 constexpr int64_t kScoreVecs = 2;
 #endif
 
-// One work item's buffers, kept per thread: rows across lanes, `width` lanes per row of each.
+// One work item's buffers, kept per thread: rows across lanes, `width` lanes per row of each. A bf16 pool's run keeps
+// its queries in q_t and its softmax weights in weight_pairs as bf16 pairs (see below), the bits in f32 slots.
 struct TiledScratch {
-  std::vector<float> q_t, out, weights, running_max, running_sum, rescale;
+  std::vector<float> q_t, out, weights, weight_pairs, running_max, running_sum, rescale;
   std::vector<int32_t> starts, ends;
 };
 
+// A bf16 pool's tiles multiply bf16 pairs (DotPairs: VDPBF16PS on AVX-512 BF16): the queries are rounded to bf16
+// once per run, as pairs of adjacent head dims, and each page's softmax weights are rounded to bf16 as pairs of
+// adjacent slots. Products are exact and every sum is f32, as in a bf16 MXU or tensor-core matmul; the rounding is
+// the only change from f32 arithmetic on the same stored keys and values, and halves the multiply-adds.
+typedef uint32_t PairBits __attribute__((vector_size(kLanes * 4)));
+
+// Two lanes-long f32 vectors rounded to bf16 (nearest even; finite inputs) and paired: low's in each lane's low half.
+inline Vec PackPairs(Vec low, Vec high) {
+  PairBits low_bits, high_bits;
+  __builtin_memcpy(&low_bits, &low, sizeof(low));
+  __builtin_memcpy(&high_bits, &high, sizeof(high));
+  low_bits = (low_bits + 0x7FFFu + ((low_bits >> 16) & 1u)) >> 16;
+  high_bits = (high_bits + 0x7FFFu + ((high_bits >> 16) & 1u)) & 0xFFFF0000u;
+  const PairBits pairs = low_bits | high_bits;
+  Vec out;
+  __builtin_memcpy(&out, &pairs, sizeof(out));
+  return out;
+}
+
+// The 32 bits at p (a pair, as stored) in every lane, moved without arithmetic.
+inline Vec SplatBits(const void* p) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, p, sizeof(bits));
+  const PairBits splat = PairBits{} + bits;
+  Vec out;
+  __builtin_memcpy(&out, &splat, sizeof(out));
+  return out;
+}
+
+// kVecs vectors of pairs (first[d], second[d]) for d in [0, kVecs * kLanes): two value rows interleaved.
+template <int64_t kVecs>
+inline void InterleaveRows(const uint16_t* first, const uint16_t* second, Vec* pairs) {
+#if defined(__AVX512BW__)
+  if constexpr (kVecs % 2 == 0) {
+    const __m512i low_index = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                               38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i high_index = _mm512_add_epi16(low_index, _mm512_set1_epi16(16));
+    for (int64_t c = 0; c < kVecs; c += 2) {
+      const __m512i a = _mm512_loadu_si512(first + c * kLanes), b = _mm512_loadu_si512(second + c * kLanes);
+      pairs[c] = (Vec)_mm512_castsi512_ps(_mm512_permutex2var_epi16(a, low_index, b));
+      pairs[c + 1] = (Vec)_mm512_castsi512_ps(_mm512_permutex2var_epi16(a, high_index, b));
+    }
+    return;
+  }
+#endif
+  for (int64_t c = 0; c < kVecs; ++c) {
+    HalfVec a, b;
+    __builtin_memcpy(&a, first + c * kLanes, sizeof(a));
+    __builtin_memcpy(&b, second + c * kLanes, sizeof(b));
+    const PairBits bits = __builtin_convertvector(a, PairBits) | (__builtin_convertvector(b, PairBits) << 16);
+    __builtin_memcpy(&pairs[c], &bits, sizeof(bits));
+  }
+}
+
 // Scores of lanes [0, lanes) (a multiple of kScoreVecs * kLanes) against the page's slots [lo, hi), into
 // weights[slot][lane]; q_t and weights hold `width` lanes per row.
+// A bf16 pool's q_t holds [D / 2][width] pairs of head dims (2k low, 2k + 1 high), and its keys are taken a pair at a
+// time as they lie in the page.
 template <typename T>
 void ScoreSlots(const float* q_t, const T* keys, int64_t row_width, int64_t D, int64_t width, int64_t lanes,
                 int64_t lo, int64_t hi, float* weights) {
+  constexpr bool kPairs = std::is_same_v<T, uint16_t>;
   for (int64_t v0 = 0; v0 < lanes; v0 += kScoreVecs * kLanes) {
     for (int64_t s0 = lo; s0 < hi; s0 += kScoreTileSlots) {
       const T* key_rows[kScoreTileSlots];
       for (int64_t j = 0; j < kScoreTileSlots; ++j) key_rows[j] = keys + std::min(s0 + j, hi - 1) * row_width;
       Vec acc[kScoreTileSlots][kScoreVecs] = {};
-      for (int64_t d = 0; d < D; ++d) {
+      for (int64_t d = 0; d < D; d += kPairs ? 2 : 1) {
+        const float* q_row = q_t + (kPairs ? d / 2 : d) * width + v0;
         Vec q_vecs[kScoreVecs];
 #pragma GCC unroll 3
-        for (int64_t c = 0; c < kScoreVecs; ++c) q_vecs[c] = LoadVec(q_t + d * width + v0 + c * kLanes);
+        for (int64_t c = 0; c < kScoreVecs; ++c) q_vecs[c] = LoadVec(q_row + c * kLanes);
 #pragma GCC unroll 8
         for (int64_t j = 0; j < kScoreTileSlots; ++j) {
-          const Vec key = Splat(LoadValue(key_rows[j] + d));
+          if constexpr (kPairs) {
+            const Vec key = SplatBits(key_rows[j] + d);
 #pragma GCC unroll 3
-          for (int64_t c = 0; c < kScoreVecs; ++c) acc[j][c] += key * q_vecs[c];
+            for (int64_t c = 0; c < kScoreVecs; ++c) acc[j][c] = DotPairs(acc[j][c], q_vecs[c], key);
+          } else {
+            const Vec key = Splat(LoadValue(key_rows[j] + d));
+#pragma GCC unroll 3
+            for (int64_t c = 0; c < kScoreVecs; ++c) acc[j][c] += key * q_vecs[c];
+          }
         }
       }
       for (int64_t j = 0; j < kScoreTileSlots && s0 + j < hi; ++j) {
@@ -81,14 +146,28 @@ inline void ValueTile(const float* weights, const T* values, int64_t row_width, 
     const Vec factor = Splat(rescale[r0 + i]);
     for (int64_t c = 0; c < kVecs; ++c) acc[i][c] = LoadVec(out + (r0 + i) * D + d0 + c * kLanes) * factor;
   }
-  for (int64_t slot = lo; slot < hi; ++slot) {
-    Vec value[kVecs];
-    for (int64_t c = 0; c < kVecs; ++c) value[c] = LoadValues(values + slot * row_width + d0 + c * kLanes);
-    const float* weight = weights + slot * width + r0;
+  if constexpr (std::is_same_v<T, uint16_t>) {  // weights: [(hi - lo + 1) / 2][width] pairs of slots
+    for (int64_t slot = lo; slot < hi; slot += 2) {
+      const uint16_t* first = values + slot * row_width + d0;
+      Vec value[kVecs];  // an odd last slot pairs with itself, under a weight of zero
+      InterleaveRows<kVecs>(first, slot + 1 < hi ? first + row_width : first, value);
+      const float* weight = weights + (slot - lo) / 2 * width + r0;
 #pragma GCC unroll 6
-    for (int64_t i = 0; i < kRows; ++i) {
-      const Vec w = Splat(weight[i]);
-      for (int64_t c = 0; c < kVecs; ++c) acc[i][c] += w * value[c];
+      for (int64_t i = 0; i < kRows; ++i) {
+        const Vec w = SplatBits(weight + i);
+        for (int64_t c = 0; c < kVecs; ++c) acc[i][c] = DotPairs(acc[i][c], w, value[c]);
+      }
+    }
+  } else {
+    for (int64_t slot = lo; slot < hi; ++slot) {
+      Vec value[kVecs];
+      for (int64_t c = 0; c < kVecs; ++c) value[c] = LoadValues(values + slot * row_width + d0 + c * kLanes);
+      const float* weight = weights + slot * width + r0;
+#pragma GCC unroll 6
+      for (int64_t i = 0; i < kRows; ++i) {
+        const Vec w = Splat(weight[i]);
+        for (int64_t c = 0; c < kVecs; ++c) acc[i][c] += w * value[c];
+      }
     }
   }
   for (int64_t i = 0; i < kRows; ++i) {
@@ -144,12 +223,14 @@ template <typename T>
 void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32_t* block_tables, int64_t first_token,
                     int64_t count, int64_t kv_head, int32_t row, const int32_t* positions, const int32_t* kv_lens,
                     int64_t sliding_window, float* out) {
+  constexpr bool kPairs = std::is_same_v<T, uint16_t>;
   const int64_t G = s.group, D = s.head_dim, P = s.page_size, num_rows = count * G;
   const int64_t tile_rows = kScoreVecs * kLanes, width = (num_rows + tile_rows - 1) / tile_rows * tile_rows;
   thread_local TiledScratch scratch;
   scratch.q_t.assign(D * width, 0.0f);
   scratch.out.assign(width * D, 0.0f);
   scratch.weights.resize(P * width);
+  if constexpr (kPairs) scratch.weight_pairs.resize((P + 1) / 2 * width);
   scratch.running_max.assign(width, kMaskValue);
   scratch.running_sum.assign(width, 0.0f);
   scratch.rescale.resize(width);
@@ -165,8 +246,17 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
       for (int64_t d = 0; d < D; ++d) scratch.q_t[d * width + lane] = q_heads[g * D + d];
     }
   }
+  if constexpr (kPairs) {  // [D, width] f32 to [D / 2, width] pairs, in place (row k is written after rows 2k, 2k + 1)
+    for (int64_t k = 0; k < D / 2; ++k) {
+      for (int64_t v = 0; v < width; v += kLanes) {
+        const Vec low = LoadVec(&scratch.q_t[2 * k * width + v]), high = LoadVec(&scratch.q_t[(2 * k + 1) * width + v]);
+        StoreVec(&scratch.q_t[k * width + v], PackPairs(low, high));
+      }
+    }
+  }
   const int32_t* table = RowTable(s, block_tables, row);
   float* weights = scratch.weights.data();
+  float* weight_pairs = scratch.weight_pairs.data();  // empty but for a bf16 pool
   // The run's lanes a band at a time, each band over every page it sees: a band's queries, sums and weights stay in
   // the first-level cache across the pages (all 192 lanes of a 64-token run at once had 108 KiB of them per page).
   for (int64_t band = 0; band < width; band += kBandLanes) {
@@ -206,20 +296,32 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
         }
         const Vec rescale = Exp(old_max - new_max);
         Vec sum = LoadVec(scratch.running_sum.data() + v) * rescale;
-        for (int64_t slot = lo; slot < hi; ++slot) {
-          Vec weight = Exp(LoadVec(weights + slot * width + v) - new_max);
-          if (masked) {
-            const IntVec position = IntVec{} + static_cast<int32_t>(first + slot);
-            weight = (position >= starts) & (position < ends) ? weight : Splat(0.0f);
+        auto weight_of = [&](int64_t slot) {  // the slot's softmax weight for lanes [v, v + kLanes)
+          const Vec weight = Exp(LoadVec(weights + slot * width + v) - new_max);
+          if (!masked) return weight;
+          const IntVec position = IntVec{} + static_cast<int32_t>(first + slot);
+          return (position >= starts) & (position < ends) ? weight : Splat(0.0f);
+        };
+        if constexpr (kPairs) {  // slots (lo, lo + 1), (lo + 2, lo + 3) ... as bf16 pairs, an odd last one with a 0
+          for (int64_t slot = lo; slot < hi; slot += 2) {
+            const Vec low = weight_of(slot), high = slot + 1 < hi ? weight_of(slot + 1) : Splat(0.0f);
+            sum += low;
+            sum += high;
+            StoreVec(weight_pairs + (slot - lo) / 2 * width + v, PackPairs(low, high));
           }
-          StoreVec(weights + slot * width + v, weight);
-          sum += weight;
+        } else {
+          for (int64_t slot = lo; slot < hi; ++slot) {
+            const Vec weight = weight_of(slot);
+            StoreVec(weights + slot * width + v, weight);
+            sum += weight;
+          }
         }
         StoreVec(scratch.running_max.data() + v, new_max);
         StoreVec(scratch.running_sum.data() + v, sum);
         StoreVec(scratch.rescale.data() + v, rescale);
       }
-      AccumulateValues(weights, page + (2 * kv_head + 1) * D, s.row_width, D, width, band, band_end, lo, hi,
+      const float* value_weights = kPairs ? weight_pairs : weights;
+      AccumulateValues(value_weights, page + (2 * kv_head + 1) * D, s.row_width, D, width, band, band_end, lo, hi,
                        scratch.rescale.data(), scratch.out.data());
     }
   }

@@ -61,7 +61,7 @@ Llama is skipped, and `skipped` says so), and its completions are text, so its t
 
 --baseline names another checkout of paxkv (an earlier commit, say): its system `paxkv_baseline` runs this
 checkout's worker with that checkout first on PYTHONPATH, so both load `paxkv` from their own tree
-(`paxkv_baseline_bf16`: the same with bf16 weights). Every reply
+(`paxkv_baseline_bf16`: the same with bf16 weights, `paxkv_baseline_bf16_kv` with bf16 weights and KV). Every reply
 carries a digest of all its generated tokens; `tokens_identical_to_paxkv` says, per model, batch and system,
 whether it generated exactly paxkv's tokens for every prompt of the first timed call.
 
@@ -89,13 +89,22 @@ SYSTEMS = (
     "paxkv_int8",
     "paxkv_baseline",
     "paxkv_baseline_bf16",
+    "paxkv_baseline_bf16_kv",
     "transformers",
     "vllm",
     "vllm_bf16",
     "llamacpp",
 )
 # Systems whose tokens are not compared with paxkv's: other weights (bf16 rounding, int8 levels, llama.cpp's Q4_1).
-NOT_EQUAL_PRECISION = ("paxkv_bf16", "paxkv_bf16_kv", "paxkv_int8", "paxkv_baseline_bf16", "vllm_bf16", "llamacpp")
+NOT_EQUAL_PRECISION = (
+    "paxkv_bf16",
+    "paxkv_bf16_kv",
+    "paxkv_int8",
+    "paxkv_baseline_bf16",
+    "paxkv_baseline_bf16_kv",
+    "vllm_bf16",
+    "llamacpp",
+)
 GGUF_MODELS = ("smollm2",)  # the models llama.cpp can run (it reads GGUF files only)
 PROMPT_SEED = 0
 PROMPT_ID_LOW = 100  # prompts draw ids from [100, vocab): SmolLM2 keeps its special tokens among the low ids
@@ -127,7 +136,7 @@ def _worker_spec(system: str, model: str, sources: dict, flag_values) -> dict:
         max_num_batched_tokens=flag_values.max_num_batched_tokens,
         kv_cache_mib=flag_values.paxkv_kv_cache_mib,
         weights_dtype="bfloat16" if "bf16" in system else "float32",
-        kv_cache_dtype="bfloat16" if system == "paxkv_bf16_kv" else "auto",
+        kv_cache_dtype="bfloat16" if system.endswith("_bf16_kv") else "auto",
         quantization="int8" if system == "paxkv_int8" else None,
         tokens_per_request=flag_values.prompt_len + flag_values.new_tokens + 16,
     )

@@ -41,8 +41,14 @@ flags.DEFINE_integer("greedy_tokens", 64, "Tokens generated greedily per window 
 flags.DEFINE_integer("batch", 4, "Windows per teacher-forced forward pass.")
 flags.DEFINE_integer("seed", 0, "Seed for the generated answers and window choice.")
 flags.DEFINE_string("out", "bench_results/kv_quality", "Output path prefix for .json and .md.")
+flags.DEFINE_enum("baseline_kv", "bfloat16", ["float32", "bfloat16"], "The KV dtype the candidates are compared with.")
+flags.DEFINE_list(
+    "kv_dtypes",
+    ["fp8_e4m3", "fp8_e5m2", "int8"],
+    "Candidate KV dtypes (bfloat16 against --baseline_kv=float32 measures bf16 KV and its bf16-pair prefill).",
+)
 
-KV_DTYPES = ("bfloat16", "fp8_e4m3", "fp8_e5m2", "int8")
+KV_DTYPES = ("float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8")
 PAGE_SIZE = 16
 TOPICS = [
     "the ocean",
@@ -247,34 +253,38 @@ def main(argv):
     import models
     from paxkv.entrypoints.compilation_cache import enable_compilation_cache
 
+    baseline, candidates = FLAGS.baseline_kv, FLAGS.kv_dtypes
+    unknown = [d for d in candidates if d not in KV_DTYPES or d == baseline]
+    if unknown or not candidates:
+        raise app.UsageError(f"--kv_dtypes={candidates}: give some of {KV_DTYPES}, other than --baseline_kv={baseline}")
     enable_compilation_cache()
     start = time.perf_counter()
     loaded = models.load(FLAGS.model)
     windows, sources = evaluation_windows(loaded)
 
-    agree = {d: [] for d in KV_DTYPES[1:]}
-    kls = {d: [] for d in KV_DTYPES[1:]}
+    agree = {d: [] for d in candidates}
+    kls = {d: [] for d in candidates}
     for first in range(0, len(windows), FLAGS.batch):
         chunk = windows[first : first + FLAGS.batch]
-        reference = teacher_forced_logits(loaded, chunk, "bfloat16")
-        for dtype in KV_DTYPES[1:]:
+        reference = teacher_forced_logits(loaded, chunk, baseline)
+        for dtype in candidates:
             same, kl = compare_logits(reference, teacher_forced_logits(loaded, chunk, dtype))
             agree[dtype] += list(np.asarray(same).reshape(len(chunk), -1))  # one [L] array per window
             kls[dtype] += list(np.asarray(kl).reshape(len(chunk), -1))
 
     half = FLAGS.length // 2
     prompts = [window[:half] for window in windows]
-    continuations = {dtype: greedy(loaded, prompts, dtype, FLAGS.greedy_tokens) for dtype in KV_DTYPES}
+    continuations = {dtype: greedy(loaded, prompts, dtype, FLAGS.greedy_tokens) for dtype in (baseline, *candidates)}
     results = {}
-    for dtype in KV_DTYPES[1:]:
-        pairs = list(zip(continuations["bfloat16"], continuations[dtype], strict=True))
+    for dtype in candidates:
+        pairs = list(zip(continuations[baseline], continuations[dtype], strict=True))
         results[dtype] = agreement(np.concatenate(agree[dtype]), np.concatenate(kls[dtype]), pairs)
         for source in ("natural", "generated"):
             picked = [a for a, s in zip(agree[dtype], sources, strict=True) if s == source]
             results[dtype][f"top1_agreement_{source}"] = float(np.concatenate(picked).mean())
     report = {
         "model": FLAGS.model or "SmolLM2-135M-Instruct (embedded GGUF, f32 weights and compute)",
-        "baseline_kv": "bfloat16",
+        "baseline_kv": baseline,
         "num_sequences": len(windows),
         "length": FLAGS.length,
         "positions": int(sum(len(w) for w in windows)),
@@ -284,7 +294,8 @@ def main(argv):
         "seconds": time.perf_counter() - start,
     }
     lines = [
-        f"8-bit KV vs bf16 KV on {FLAGS.model or 'SmolLM2-135M'}: {report['num_sequences']} windows of "
+        f"{', '.join(candidates)} KV vs {baseline} KV on {FLAGS.model or 'SmolLM2-135M'}: {report['num_sequences']} "
+        f"windows of "
         f"{FLAGS.length} tokens "
         f"({report['positions']} positions), half natural text, half generated answers; greedy: "
         f"{FLAGS.greedy_tokens} tokens after the first {half}.",

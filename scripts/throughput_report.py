@@ -8,11 +8,12 @@ WEIGHT_BYTES = {
     "paxkv_bf16": 2,
     "paxkv_bf16_kv": 2,
     "paxkv_baseline_bf16": 2,
+    "paxkv_baseline_bf16_kv": 2,
     "vllm_bf16": 2,
     "paxkv_int8": 1 + 2 * 4 / 32,  # a level, plus an f32 scale and min per 32 contraction rows and column
 }  # bytes a weight reads of each system; 4 (f32) unless named; llama.cpp's are its own
 # Systems whose KV pool holds bf16: the share of paxkv's (f32) KV bytes per token that they read.
-KV_BYTES_SHARE = {"paxkv_bf16_kv": 0.5, "vllm_bf16": 0.5}
+KV_BYTES_SHARE = {"paxkv_bf16_kv": 0.5, "paxkv_baseline_bf16_kv": 0.5, "vllm_bf16": 0.5}
 # paxkv with narrower weights than f32: each gets a column of its speed over every other system's.
 NARROW_PAXKV = ("paxkv_bf16", "paxkv_bf16_kv", "paxkv_int8")
 

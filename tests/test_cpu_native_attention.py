@@ -16,6 +16,11 @@ from pallas_kernels import native_library, ragged_paged_attention_reference, res
 # The kernel and the reference read the same stored values and both accumulate in f32; only the order of the
 # sums differs.
 TOLERANCE = 2e-6
+# Except where a bf16 pool's prefill runs (8 or more tokens of a sequence, the tiled path) multiply bf16 pairs: the
+# queries and the softmax weights are each rounded to bf16 once (half an ulp, 2^-9 relative), products are exact and
+# sums f32, so the two roundings bound the error by bf16's epsilon, 2^-8. Decode rows keep f32 arithmetic.
+BF16_PAIRS_TOLERANCE = 2.0**-8
+MIN_TILED_RUN_TOKENS = 8  # cpu_paged_attention_tiled.h's kMinTiledRunTokens
 
 
 def _both(case, **options):
@@ -26,11 +31,28 @@ def _both(case, **options):
     return np.asarray(out), np.asarray(ref)
 
 
+def _paired_tokens(case, soft_cap=None) -> np.ndarray:
+    """bool[T]: tokens whose sequence has a run long enough for the bf16-pair arithmetic (a superset of those that
+    take it: a chunk's last few tokens can form a short run)."""
+    paired = np.zeros(case.q.shape[0], bool)
+    if getattr(case.kv_pages, "dtype", None) != jnp.bfloat16 or soft_cap is not None:
+        return paired
+    cu_q_lens = np.asarray(case.metadata.cu_q_lens)
+    for seq in range(int(np.asarray(case.metadata.num_seqs)[0])):
+        if cu_q_lens[seq + 1] - cu_q_lens[seq] >= MIN_TILED_RUN_TOKENS:
+            paired[cu_q_lens[seq] : cu_q_lens[seq + 1]] = True
+    return paired
+
+
 def _check(case, **options):
     out, ref = _both(case, **options)
     assert np.isfinite(out).all()  # the NaN in every unused slot never reaches an output
-    assert relative_error(out, ref, case.num_live_tokens) < TOLERANCE
-    np.testing.assert_array_equal(out[case.num_live_tokens :], 0.0)  # padded tokens
+    live = case.num_live_tokens
+    paired = _paired_tokens(case, options.get("soft_cap"))[:live]
+    for tokens, tolerance in ((~paired, TOLERANCE), (paired, BF16_PAIRS_TOLERANCE)):
+        if tokens.any():
+            assert relative_error(out[:live][tokens], ref[:live][tokens], int(tokens.sum())) < tolerance
+    np.testing.assert_array_equal(out[live:], 0.0)  # padded tokens
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -180,6 +202,34 @@ def test_prefill_chunks_the_tiled_path_does_not_take(head_dim, soft_cap):
         padded_tokens=200,
     )
     _check(case, kv_read="auto", soft_cap=soft_cap)
+
+
+@pytest.mark.parametrize("page_size,head_dim,group", [(16, 64, 3), (32, 128, 2), (1, 16, 5), (4, 32, 1)])
+def test_bf16_pool_prefill_differs_only_by_the_weights_rounding(page_size, head_dim, group):
+    """With queries that are already bf16 values, a bf16 pool's prefill runs differ from the f32 reference only by
+    the softmax weights' rounding to bf16 (each weight off by at most 2^-9 of itself), so every output element is
+    within 2^-9 of the largest |value| it reads (and f32 sums' noise): a misplaced pair of slots or of head dims
+    would be off by whole values. Odd slot counts (page size 1, windows) pair a slot with a zero weight."""
+    case = make_case(
+        page_size,
+        kv_lens=[300, 70, 9],
+        q_lens=[200, 70, 9],
+        page_size=page_size,
+        num_kv_heads=2,
+        group=group,
+        head_dim=head_dim,
+        kv_dtype="bfloat16",
+        padded_tokens=285,
+    )
+    case.q = case.q.astype(jnp.bfloat16).astype(jnp.float32)
+    pool = np.asarray(case.kv_pages, np.float32).reshape(*case.kv_pages.shape[:2], 2, 2, head_dim)  # [., P, K, 2, D]
+    largest_value = np.nanmax(np.abs(pool[:, :, :, 1]))
+    for sliding_window in (None, 37):
+        out, ref = _both(case, sliding_window=sliding_window)
+        live = case.num_live_tokens
+        assert np.isfinite(out).all()
+        np.testing.assert_array_less(np.abs(out[:live] - ref[:live]), 2.0**-9 * largest_value + 1e-5)
+        assert np.abs(out[:live] - ref[:live]).max() > 1e-4 * largest_value  # rounded weights, not f32 noise
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])

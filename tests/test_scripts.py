@@ -279,13 +279,20 @@ def test_bench_speculative_compares_ngram_and_a_draft_model_with_plain_decoding(
     assert "Traceback" not in bad.stderr
 
 
-def test_eval_kv_quality_compares_8bit_kv_with_bf16(tiny_model_with_tokenizer, tmp_path):
+def test_eval_kv_quality_compares_bf16_and_8bit_kv_with_f32(tiny_model_with_tokenizer, tmp_path):
+    """Against f32 KV (--baseline_kv; bf16 by default), every narrower pool: bf16 (whose prefill multiplies bf16
+    pairs on CPU) and the 8-bit ones."""
     out = tmp_path / "kv_quality"
-    run = _script("eval_kv_quality.py", f"--model={tiny_model_with_tokenizer}", *SMALL_QUALITY_RUN, f"--out={out}")
+    candidates = "--kv_dtypes=bfloat16,fp8_e4m3,fp8_e5m2,int8"
+    model = f"--model={tiny_model_with_tokenizer}"
+    run = _script("eval_kv_quality.py", model, *SMALL_QUALITY_RUN, "--baseline_kv=float32", candidates, f"--out={out}")
     result = json.loads((tmp_path / "kv_quality.json").read_text())
     assert (result["num_sequences"], result["length"], result["positions"]) == (2, 64, 128)
+    assert result["baseline_kv"] == "float32"
     results = result["results"]
-    assert sorted(results) == ["fp8_e4m3", "fp8_e5m2", "int8"]
+    assert sorted(results) == ["bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"]
+    # bf16 keeps 8 bits of precision to e4m3's 4: the closest to f32.
+    assert results["bfloat16"]["mean_kl"] < results["fp8_e4m3"]["mean_kl"]
     for name, r in results.items():
         for key in ("top1_agreement", "top1_agreement_natural", "top1_agreement_generated"):
             assert 0.5 < r[key] <= 1, (name, key)
@@ -294,8 +301,10 @@ def test_eval_kv_quality_compares_8bit_kv_with_bf16(tiny_model_with_tokenizer, t
     # e5m2 keeps 2 mantissa bits to e4m3's 3: its KV is the coarser.
     assert results["fp8_e4m3"]["mean_kl"] < results["fp8_e5m2"]["mean_kl"]
     table = (tmp_path / "kv_quality.md").read_text()
-    assert all(f"| {name} |" in table for name in results) and table.count("Goal (top-1") == 3
+    assert all(f"| {name} |" in table for name in results) and table.count("Goal (top-1") == 4
     assert table in run.stdout
+    same = _script("eval_kv_quality.py", model, "--kv_dtypes=bfloat16,int8", check=False)  # bf16 is the baseline
+    assert same.returncode == 1 and "other than --baseline_kv=bfloat16" in same.stderr
     short = _script(
         "eval_kv_quality.py", f"--model={tiny_model_with_tokenizer}", "--num_sequences=2", "--length=16", check=False
     )
@@ -397,6 +406,9 @@ def test_bench_throughput_runs_bf16_weights_and_kv_as_paxkv_bf16_kv(monkeypatch)
     assert (spec["system"], spec["weights_dtype"], spec["kv_cache_dtype"]) == ("paxkv", "bfloat16", "bfloat16")
     assert bench_throughput._worker_spec("paxkv_bf16", "smollm2", sources, flag_values)["kv_cache_dtype"] == "auto"
     assert "paxkv_bf16_kv" in bench_throughput.NOT_EQUAL_PRECISION
+    baseline = bench_throughput._worker_spec("paxkv_baseline_bf16_kv", "smollm2", sources, flag_values)
+    assert (baseline["weights_dtype"], baseline["kv_cache_dtype"]) == ("bfloat16", "bfloat16")
+    assert throughput_report.KV_BYTES_SHARE["paxkv_baseline_bf16_kv"] == 0.5
     rows = [
         dict(system=system, model="smollm2", batch=32, tokens_per_s=speed, ttft_s=1.0, peak_rss_mib=1.0)
         for system, speed in (("paxkv_bf16", 400.0), ("paxkv_bf16_kv", 420.0), ("vllm_bf16", 400.0))
