@@ -105,8 +105,10 @@ def _device_split(engine, loaded, rounds: int = 20) -> dict:
         jax.clear_caches()
         return forward_step.trace(graph, weights, caches, step_batch.inputs, draft_indices).lower().compile()
 
-    def write_only(q, k, v, kv_pages, metadata, **kwargs):
-        return q, write_kv(kv_pages, k, v, metadata.slots)
+    def write_only(q, k, v, kv_pages, metadata, *, attention_impl, **kwargs):
+        # As paged_attention writes: a bf16 pool through the native in-place write under cpu_native (XLA:CPU's bf16
+        # scatter copies the whole pool, which attention_ms would have gone negative for).
+        return q, write_kv(kv_pages, k, v, metadata.slots, native=attention_impl == "cpu_native")
 
     def nothing(q, k, v, kv_pages, metadata, **kwargs):
         # k and v stay used (a sum, times zero: XLA keeps float x * 0, which may be NaN), or XLA would drop their
