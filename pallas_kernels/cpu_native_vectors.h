@@ -142,6 +142,72 @@ inline uint16_t RoundToBf16(float value) {
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// kLanes bf16 pairs as the 32-bit lanes of an integer vector.
+typedef uint32_t PairBits __attribute__((vector_size(kLanes * 4)));
+
+// Two lanes-long f32 vectors rounded to bf16 (nearest even; finite inputs) and paired: low's in each lane's low half.
+inline Vec PackPairs(Vec low, Vec high) {
+  PairBits low_bits, high_bits;
+  __builtin_memcpy(&low_bits, &low, sizeof(low));
+  __builtin_memcpy(&high_bits, &high, sizeof(high));
+  low_bits = (low_bits + 0x7FFFu + ((low_bits >> 16) & 1u)) >> 16;
+  high_bits = (high_bits + 0x7FFFu + ((high_bits >> 16) & 1u)) & 0xFFFF0000u;
+  const PairBits pairs = low_bits | high_bits;
+  Vec out;
+  __builtin_memcpy(&out, &pairs, sizeof(out));
+  return out;
+}
+
+// The 32 bits at p (a pair, as stored) in every lane, moved without arithmetic.
+inline Vec SplatBits(const void* p) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, p, sizeof(bits));
+  const PairBits splat = PairBits{} + bits;
+  Vec out;
+  __builtin_memcpy(&out, &splat, sizeof(out));
+  return out;
+}
+
+// kSlots (even) f32 values rounded to bf16 (nearest even) and paired: pairs[k] = (values[2k] low, values[2k + 1]).
+template <int64_t kSlots>
+inline void PairAdjacent(const float* values, uint32_t* pairs) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if constexpr (kSlots == 16) {  // VCVTNEPS2BF16 (which flushes denormals, as VDPBF16PS then would)
+    const __m256bh halves = _mm512_cvtneps_pbh(_mm512_loadu_ps(values));
+    __builtin_memcpy(pairs, &halves, sizeof(halves));
+    return;
+  }
+#endif
+  for (int64_t k = 0; k < kSlots / 2; ++k) {
+    pairs[k] = RoundToBf16(values[2 * k]) | static_cast<uint32_t>(RoundToBf16(values[2 * k + 1])) << 16;
+  }
+}
+
+// kVecs vectors of pairs (first[d], second[d]) for d in [0, kVecs * kLanes): two value rows interleaved.
+template <int64_t kVecs>
+inline void InterleaveRows(const uint16_t* first, const uint16_t* second, Vec* pairs) {
+#if defined(__AVX512BW__)
+  if constexpr (kVecs % 2 == 0) {
+    const __m512i low_index = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                               38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i high_index = _mm512_add_epi16(low_index, _mm512_set1_epi16(16));
+    for (int64_t c = 0; c < kVecs; c += 2) {
+      const __m512i a = _mm512_loadu_si512(first + c * kLanes), b = _mm512_loadu_si512(second + c * kLanes);
+      pairs[c] = (Vec)_mm512_castsi512_ps(_mm512_permutex2var_epi16(a, low_index, b));
+      pairs[c + 1] = (Vec)_mm512_castsi512_ps(_mm512_permutex2var_epi16(a, high_index, b));
+    }
+    return;
+  }
+#endif
+  for (int64_t c = 0; c < kVecs; ++c) {
+    HalfVec a, b;
+    __builtin_memcpy(&a, first + c * kLanes, sizeof(a));
+    __builtin_memcpy(&b, second + c * kLanes, sizeof(b));
+    const PairBits bits = __builtin_convertvector(a, PairBits) | (__builtin_convertvector(b, PairBits) << 16);
+    __builtin_memcpy(&pairs[c], &bits, sizeof(bits));
+  }
+}
+
 // e^x for x <= 0, lane by lane, for any GCC vector V of f32 with IV its int32 vector: x = n ln2 + r with
 // |r| <= ln2 / 2, e^r by a degree-7 polynomial (its Taylor coefficients), 2^n put into the exponent bits. Below -87
 // (where e^x leaves f32's normal range) it gives e^-87, which beside the row's maximum weight of 1 is nothing; masked

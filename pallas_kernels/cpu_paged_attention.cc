@@ -21,10 +21,10 @@
 //   across head_dim and the value tile (6 rows by 64 output dims) across the page's slots, and the rows go through
 //   the pages 48 at a time, so that their queries, sums and weights stay in the first-level cache.
 // Within one path each token's arithmetic is the same whatever run it is in. Every path reads f32 and bf16 pools
-// exactly and sums in f32; the tiled path alone, over a bf16 pool, multiplies bf16 pairs (DotPairs: VDPBF16PS on
-// AVX-512 BF16, two multiply-adds per lane and instruction), rounding the queries and the softmax weights to bf16
-// once each, as bf16 matmul units do; that halves its multiply-adds, its whole cost (decode runs are bound by
-// reading the pages and keep f32 queries).
+// exactly and sums in f32. Over a bf16 pool the two vectorized paths (AttendRunTiled, AttendRunLanes) multiply bf16
+// pairs (DotPairs: VDPBF16PS on AVX-512 BF16, two multiply-adds per lane and instruction), rounding the queries and
+// the softmax weights to bf16 once each, as bf16 matmul units do: half the multiply-adds, and no widening of the
+// stored keys and values. AttendRun (other head_dims' short runs) keeps f32 queries and weights.
 //
 // Layout (pallas_kernels/kv_pages.py): kv_pages[num_pages, page_size, 2 * K * D], the key of head h in slot 2h
 // and its value in slot 2h + 1 of each token row. Semantics are the XLA reference's per-token read

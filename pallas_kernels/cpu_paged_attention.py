@@ -5,9 +5,10 @@ reference's blocked path and its per-token reader.
 XLA:CPU's version of the per-token read gathers every token's KV block into a fresh array first, at about 4 GB/s;
 the native kernel walks the pages in place (12-15 GB/s on 2 cores, 3x less time at batch 32). Prefill chunks take
 its tiled path, a matrix-product-shaped loop over each page: SmolLM2's 2048-token prompt attends in about 40 ms a
-layer there, against about 107 ms by the reference's 128 x 128 blocks (BUILD.md). Over a bf16 pool that path
-multiplies bf16 pairs (queries and softmax weights rounded to bf16, exact products, f32 sums), within 2^-8 of the
-reference; every other token matches the reference's f32 arithmetic but for the order of its sums.
+layer there, against about 107 ms by the reference's 128 x 128 blocks (BUILD.md). Over a bf16 pool the tiled path,
+and the short-run path of head_dim 32, 64 and 128, multiply bf16 pairs (queries and softmax weights rounded to bf16,
+exact products, f32 sums), within 2^-8 of the reference; every other token matches the reference's f32 arithmetic
+but for the order of its sums.
 
 The kernel is part of the native library (pallas_kernels/native_library.py), built on first use; where it cannot be
 built, `native_kernel_error()` says why and `auto` keeps the pure-jnp reference.

@@ -7,7 +7,8 @@
 // exponentials and sum are vector operations, and the value update keeps the row's output in registers while it
 // walks the slots. The softmax is updated once per 16 slots (kSlotSpan). The query heads of one token that share a
 // KV head go through a span together, up to MaxSpanRows at a time, each value row loaded once for all of them;
-// each row's arithmetic never depends on the other rows of its run.
+// each row's arithmetic never depends on the other rows of its run. Over a bf16 pool the products are bf16 pairs, as
+// on the tiled path (see cpu_paged_attention.cc).
 
 #ifndef PAXKV_CPU_PAGED_ATTENTION_LANES_H_
 #define PAXKV_CPU_PAGED_ATTENTION_LANES_H_
@@ -28,16 +29,21 @@ constexpr int64_t kSlotSpan = kSlotVecs * kLanes;
 // [chunk, chunk + n) of a page (n <= kSlotSpan): updates each row's running maximum, sum and output accumulator
 // acc[r][kChunks * kLanes] (online softmax). The rows are independent chains worked side by side, and each value row
 // is loaded once for all of them: one row at a time, the value update was a chain of 16 dependent FMAs per vector.
+//
+// Over a bf16 pool the products are of bf16 pairs (DotPairs), as on the tiled path: q_rows hold the queries as pairs
+// of adjacent head dims (kChunks / 2 vectors), and the weights are rounded to bf16 in pairs of adjacent slots.
 template <int kChunks, int kRows, typename T>
 inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, const T* values, int64_t row_width,
                            int64_t n, int64_t lo, int64_t hi, float soft_cap, float* running_max, float* running_sum,
                            float* const (&acc)[kRows]) {
+  constexpr bool kPairs = std::is_same_v<T, uint16_t>;
+  constexpr int kQueryVecs = kPairs ? kChunks / 2 : kChunks;
   Vec scores[kRows][kSlotVecs];
 #pragma GCC unroll 4
   for (int r = 0; r < kRows; ++r) {
-    Vec q[kChunks];
+    Vec q[kQueryVecs];
 #pragma GCC unroll 16
-    for (int c = 0; c < kChunks; ++c) q[c] = LoadVec(q_rows[r] + c * kLanes);
+    for (int c = 0; c < kQueryVecs; ++c) q[c] = LoadVec(q_rows[r] + c * kLanes);
 #pragma GCC unroll 4
     for (int64_t b = 0; b < kSlotVecs; ++b) {
       Vec partial[kLanes];
@@ -46,8 +52,14 @@ inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, c
         Vec dot = {};
         if (b * kLanes + j < n) {
           const T* key = keys + (b * kLanes + j) * row_width;
+          if constexpr (kPairs) {
+            const Bf16Pair* key_pairs = reinterpret_cast<const Bf16Pair*>(key);
+#pragma GCC unroll 8
+            for (int c = 0; c < kQueryVecs; ++c) dot = DotPairs(dot, q[c], LoadValues(key_pairs + c * kLanes));
+          } else {
 #pragma GCC unroll 16
-          for (int c = 0; c < kChunks; ++c) dot += q[c] * LoadValues(key + c * kLanes);
+            for (int c = 0; c < kChunks; ++c) dot += q[c] * LoadValues(key + c * kLanes);
+          }
         }
         partial[j] = dot;
       }
@@ -91,16 +103,32 @@ inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, c
 #pragma GCC unroll 16
     for (int c = 0; c < kChunks; ++c) out[r][c] = LoadVec(acc[r] + c * kLanes) * rescale[r];
   }
-  for (int64_t j = lo; j < hi; ++j) {
-    const T* value = values + j * row_width;
-    Vec v[kChunks];
-#pragma GCC unroll 16
-    for (int c = 0; c < kChunks; ++c) v[c] = LoadValues(value + c * kLanes);
+  if constexpr (kPairs) {  // slots (2k, 2k + 1); a slot outside [lo, hi) has weight 0 and borrows its partner's row
+    uint32_t weight_pairs[kRows][kSlotSpan / 2];
+    for (int r = 0; r < kRows; ++r) PairAdjacent<kSlotSpan>(weight[r], weight_pairs[r]);
+    for (int64_t k = lo / 2; k <= (hi - 1) / 2; ++k) {
+      Vec v[kChunks];
+      InterleaveRows<kChunks>(values + std::max(2 * k, lo) * row_width, values + std::min(2 * k + 1, hi - 1) * row_width,
+                              v);
 #pragma GCC unroll 4
-    for (int r = 0; r < kRows; ++r) {
-      const Vec w = Splat(weight[r][j]);
+      for (int r = 0; r < kRows; ++r) {
+        const Vec w = SplatBits(&weight_pairs[r][k]);
 #pragma GCC unroll 16
-      for (int c = 0; c < kChunks; ++c) out[r][c] += w * v[c];
+        for (int c = 0; c < kChunks; ++c) out[r][c] = DotPairs(out[r][c], w, v[c]);
+      }
+    }
+  } else {
+    for (int64_t j = lo; j < hi; ++j) {
+      const T* value = values + j * row_width;
+      Vec v[kChunks];
+#pragma GCC unroll 16
+      for (int c = 0; c < kChunks; ++c) v[c] = LoadValues(value + c * kLanes);
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) {
+        const Vec w = Splat(weight[r][j]);
+#pragma GCC unroll 16
+        for (int c = 0; c < kChunks; ++c) out[r][c] += w * v[c];
+      }
     }
   }
 #pragma GCC unroll 4
@@ -111,14 +139,15 @@ inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, c
 }
 
 // Query heads [g, g + kRows) of one token's group against a slot span: AttendSlotSpan with the token's state.
+// q_heads holds a query row per head (a bf16 pool's: D / 2 pairs).
 template <int kChunks, int kRows, typename T>
 inline void AttendHeadsSpan(const float* q_heads, const T* keys, int64_t row_width, int64_t n, int64_t lo, int64_t hi,
                             float soft_cap, int64_t g, float* running_max, float* running_sum, float* acc) {
-  constexpr int64_t D = kChunks * kLanes;
+  constexpr int64_t D = kChunks * kLanes, query_width = std::is_same_v<T, uint16_t> ? D / 2 : D;
   const float* q_rows[kRows];
   float* acc_rows[kRows];
   for (int r = 0; r < kRows; ++r) {
-    q_rows[r] = q_heads + (g + r) * D;
+    q_rows[r] = q_heads + (g + r) * query_width;
     acc_rows[r] = acc + (g + r) * D;
   }
   AttendSlotSpan<kChunks, kRows>(q_rows, keys, keys + D, row_width, n, lo, hi, soft_cap, running_max + g,
@@ -148,6 +177,13 @@ void AttendRunLanes(const Shapes& s, const float* q, const T* pages, const int32
   // [H, count * G, D] accumulators and [H, count * G] running maxima and sums, head-major then token-major.
   std::vector<float> acc(H * count * G * D, 0.0f), running_max(H * count * G, kMaskValue),
       running_sum(H * count * G, 0.0f);
+  constexpr bool kPairs = std::is_same_v<T, uint16_t>;
+  std::vector<uint32_t> q_pairs;  // a bf16 pool's queries: [count, N, D / 2] pairs of head dims, rounded to bf16
+  if constexpr (kPairs) {
+    q_pairs.resize(count * s.num_q_heads * D / 2);
+    const float* q_run = q + first_token * s.num_q_heads * D;
+    for (size_t k = 0; k < q_pairs.size(); ++k) PairAdjacent<2>(q_run + 2 * k, &q_pairs[k]);
+  }
   const int32_t* table = RowTable(s, block_tables, row);
   for (int64_t first = run_start - run_start % P; first < run_end; first += P) {
     const int64_t page_id = PageAt(s, table, first / P);
@@ -163,7 +199,9 @@ void AttendRunLanes(const Shapes& s, const float* q, const T* pages, const int32
           const int64_t hi = std::min(chunk + n, ranges[i].end) - chunk;
           if (lo >= hi) continue;  // nothing of these slots is visible to the token
           const int64_t state = (h * count + i) * G;  // the token's first query head under this KV head
-          const float* q_heads = q + ((first_token + i) * s.num_q_heads + kv_head * G) * D;  // [G, D]
+          const float* q_heads =  // [G, D], or [G, D / 2] pairs (their bits, read by memcpy)
+              kPairs ? reinterpret_cast<const float*>(q_pairs.data() + (i * s.num_q_heads + kv_head * G) * D / 2)
+                     : q + ((first_token + i) * s.num_q_heads + kv_head * G) * D;
           float* acc_heads = acc.data() + state * D;
           constexpr int kRows = MaxSpanRows<kChunks>();
           int64_t g = 0;

@@ -30,57 +30,9 @@ struct TiledScratch {
 
 // A bf16 pool's tiles multiply bf16 pairs (DotPairs: VDPBF16PS on AVX-512 BF16): the queries are rounded to bf16
 // once per run, as pairs of adjacent head dims, and each page's softmax weights are rounded to bf16 as pairs of
-// adjacent slots. Products are exact and every sum is f32, as in a bf16 MXU or tensor-core matmul; the rounding is
-// the only change from f32 arithmetic on the same stored keys and values, and halves the multiply-adds.
-typedef uint32_t PairBits __attribute__((vector_size(kLanes * 4)));
-
-// Two lanes-long f32 vectors rounded to bf16 (nearest even; finite inputs) and paired: low's in each lane's low half.
-inline Vec PackPairs(Vec low, Vec high) {
-  PairBits low_bits, high_bits;
-  __builtin_memcpy(&low_bits, &low, sizeof(low));
-  __builtin_memcpy(&high_bits, &high, sizeof(high));
-  low_bits = (low_bits + 0x7FFFu + ((low_bits >> 16) & 1u)) >> 16;
-  high_bits = (high_bits + 0x7FFFu + ((high_bits >> 16) & 1u)) & 0xFFFF0000u;
-  const PairBits pairs = low_bits | high_bits;
-  Vec out;
-  __builtin_memcpy(&out, &pairs, sizeof(out));
-  return out;
-}
-
-// The 32 bits at p (a pair, as stored) in every lane, moved without arithmetic.
-inline Vec SplatBits(const void* p) {
-  uint32_t bits;
-  __builtin_memcpy(&bits, p, sizeof(bits));
-  const PairBits splat = PairBits{} + bits;
-  Vec out;
-  __builtin_memcpy(&out, &splat, sizeof(out));
-  return out;
-}
-
-// kVecs vectors of pairs (first[d], second[d]) for d in [0, kVecs * kLanes): two value rows interleaved.
-template <int64_t kVecs>
-inline void InterleaveRows(const uint16_t* first, const uint16_t* second, Vec* pairs) {
-#if defined(__AVX512BW__)
-  if constexpr (kVecs % 2 == 0) {
-    const __m512i low_index = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
-                                               38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i high_index = _mm512_add_epi16(low_index, _mm512_set1_epi16(16));
-    for (int64_t c = 0; c < kVecs; c += 2) {
-      const __m512i a = _mm512_loadu_si512(first + c * kLanes), b = _mm512_loadu_si512(second + c * kLanes);
-      pairs[c] = (Vec)_mm512_castsi512_ps(_mm512_permutex2var_epi16(a, low_index, b));
-      pairs[c + 1] = (Vec)_mm512_castsi512_ps(_mm512_permutex2var_epi16(a, high_index, b));
-    }
-    return;
-  }
-#endif
-  for (int64_t c = 0; c < kVecs; ++c) {
-    HalfVec a, b;
-    __builtin_memcpy(&a, first + c * kLanes, sizeof(a));
-    __builtin_memcpy(&b, second + c * kLanes, sizeof(b));
-    const PairBits bits = __builtin_convertvector(a, PairBits) | (__builtin_convertvector(b, PairBits) << 16);
-    __builtin_memcpy(&pairs[c], &bits, sizeof(bits));
-  }
-}
+// adjacent slots (PackPairs, InterleaveRows). Products are exact and every sum is f32, as in a bf16 MXU or
+// tensor-core matmul; the rounding is the only change from f32 arithmetic on the same stored keys and values, and
+// halves the multiply-adds.
 
 // Scores of lanes [0, lanes) (a multiple of kScoreVecs * kLanes) against the page's slots [lo, hi), into
 // weights[slot][lane]; q_t and weights hold `width` lanes per row.

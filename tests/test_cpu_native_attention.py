@@ -16,11 +16,13 @@ from pallas_kernels import native_library, ragged_paged_attention_reference, res
 # The kernel and the reference read the same stored values and both accumulate in f32; only the order of the
 # sums differs.
 TOLERANCE = 2e-6
-# Except where a bf16 pool's prefill runs (8 or more tokens of a sequence, the tiled path) multiply bf16 pairs: the
-# queries and the softmax weights are each rounded to bf16 once (half an ulp, 2^-9 relative), products are exact and
-# sums f32, so the two roundings bound the error by bf16's epsilon, 2^-8. Decode rows keep f32 arithmetic.
+# Except where a bf16 pool's tokens take the vectorized paths, which multiply bf16 pairs: the queries and the softmax
+# weights are each rounded to bf16 once (half an ulp, 2^-9 relative), products are exact and sums f32, so the two
+# roundings bound the error by bf16's epsilon, 2^-8. Those paths are the tiled one (runs of 8 or more tokens) and,
+# for head_dim 32, 64 or 128, the short-run one; other head_dims' short runs keep f32 arithmetic.
 BF16_PAIRS_TOLERANCE = 2.0**-8
 MIN_TILED_RUN_TOKENS = 8  # cpu_paged_attention_tiled.h's kMinTiledRunTokens
+LANES_HEAD_DIMS = (32, 64, 128)  # cpu_paged_attention_lanes.h's head_dims
 
 
 def _both(case, **options):
@@ -32,11 +34,15 @@ def _both(case, **options):
 
 
 def _paired_tokens(case, soft_cap=None) -> np.ndarray:
-    """bool[T]: tokens whose sequence has a run long enough for the bf16-pair arithmetic (a superset of those that
-    take it: a chunk's last few tokens can form a short run)."""
+    """bool[T]: a superset of the tokens that take the bf16-pair arithmetic (a chunk's last few tokens can form a
+    short run)."""
     paired = np.zeros(case.q.shape[0], bool)
-    if getattr(case.kv_pages, "dtype", None) != jnp.bfloat16 or soft_cap is not None:
+    if getattr(case.kv_pages, "dtype", None) != jnp.bfloat16:
         return paired
+    if case.q.shape[-1] in LANES_HEAD_DIMS:
+        return ~paired  # every run: tiled or short
+    if soft_cap is not None:
+        return paired  # the tiled path takes no soft cap
     cu_q_lens = np.asarray(case.metadata.cu_q_lens)
     for seq in range(int(np.asarray(case.metadata.num_seqs)[0])):
         if cu_q_lens[seq + 1] - cu_q_lens[seq] >= MIN_TILED_RUN_TOKENS:
@@ -205,21 +211,22 @@ def test_prefill_chunks_the_tiled_path_does_not_take(head_dim, soft_cap):
 
 
 @pytest.mark.parametrize("page_size,head_dim,group", [(16, 64, 3), (32, 128, 2), (1, 16, 5), (4, 32, 1)])
-def test_bf16_pool_prefill_differs_only_by_the_weights_rounding(page_size, head_dim, group):
-    """With queries that are already bf16 values, a bf16 pool's prefill runs differ from the f32 reference only by
-    the softmax weights' rounding to bf16 (each weight off by at most 2^-9 of itself), so every output element is
-    within 2^-9 of the largest |value| it reads (and f32 sums' noise): a misplaced pair of slots or of head dims
-    would be off by whole values. Odd slot counts (page size 1, windows) pair a slot with a zero weight."""
+def test_bf16_pool_differs_only_by_the_weights_rounding(page_size, head_dim, group):
+    """With queries that are already bf16 values, a bf16 pool's prefill chunks and decode runs differ from the f32
+    reference only by the softmax weights' rounding to bf16 (each weight off by at most 2^-9 of itself), so every
+    output element is within 2^-9 of the largest |value| it reads (and f32 sums' noise): a misplaced pair of slots or
+    of head dims would be off by whole values. A slot whose partner is out of sight pairs under a zero weight (page
+    size 1, windows, spans cut by the visible range)."""
     case = make_case(
         page_size,
-        kv_lens=[300, 70, 9],
-        q_lens=[200, 70, 9],
+        kv_lens=[300, 70, 9, 150, 41],
+        q_lens=[200, 70, 9, 1, 3],
         page_size=page_size,
         num_kv_heads=2,
         group=group,
         head_dim=head_dim,
         kv_dtype="bfloat16",
-        padded_tokens=285,
+        padded_tokens=290,
     )
     case.q = case.q.astype(jnp.bfloat16).astype(jnp.float32)
     pool = np.asarray(case.kv_pages, np.float32).reshape(*case.kv_pages.shape[:2], 2, 2, head_dim)  # [., P, K, 2, D]
