@@ -107,9 +107,10 @@ inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, c
     uint32_t weight_pairs[kRows][kSlotSpan / 2];
     for (int r = 0; r < kRows; ++r) PairAdjacent<kSlotSpan>(weight[r], weight_pairs[r]);
     for (int64_t k = lo / 2; k <= (hi - 1) / 2; ++k) {
+      const T* first = values + std::max(2 * k, lo) * row_width;
+      const T* second = values + std::min(2 * k + 1, hi - 1) * row_width;
       Vec v[kChunks];
-      InterleaveRows<kChunks>(values + std::max(2 * k, lo) * row_width, values + std::min(2 * k + 1, hi - 1) * row_width,
-                              v);
+      InterleaveRows<kChunks>(first, second, v);
 #pragma GCC unroll 4
       for (int r = 0; r < kRows; ++r) {
         const Vec w = SplatBits(&weight_pairs[r][k]);
