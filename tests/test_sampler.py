@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import first_argmax
 from paxkv.execution.sampler import (
     SamplingArrays,
     apply_penalties,
     filtered_logits,
-    first_argmax,
     gumbel_max,
     row_keys,
     sample,

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.sharding import unpartitioned_here
+from pallas_kernels import first_argmax
 from paxkv.scheduling.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 _SEED_MOD = 2**32
@@ -253,20 +254,6 @@ def native_greedy_here(native: bool) -> bool:
     The default backend alone would not do: a CPU process compiling for a TPU (execution.aot) has backend "cpu".
     """
     return native and unpartitioned_here()
-
-
-def first_argmax(values: jax.Array) -> jax.Array:
-    """jnp.argmax over the last axis (the first maximum, or the first NaN where a row holds one), as two plain
-    reductions. i32[...].
-
-    jnp.argmax lowers to one reduction over (value, index) pairs, which libtpu compiles slowly (v6e, [32, 128256]
-    f32: 0.81 s alone and 5.3 s with the Gumbel noise fused into it, against 0.16 s and 2.2 s for these two) and
-    XLA:CPU runs slowly ([32, 49152]: 3.8 ms against 1.3 ms; with the noise, 27 ms against 11 ms).
-    """
-    largest = jnp.max(values, axis=-1, keepdims=True)  # NaN where the row holds one
-    index = jax.lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
-    hits = (values == largest) | jnp.isnan(values)
-    return jnp.min(jnp.where(hits, index, values.shape[-1]), axis=-1)
 
 
 def gumbel_max(keys: jax.Array, logits: jax.Array) -> jax.Array:
