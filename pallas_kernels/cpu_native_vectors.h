@@ -168,19 +168,18 @@ inline Vec SplatBits(const void* p) {
   return out;
 }
 
-// kSlots (even) f32 values rounded to bf16 (nearest even) and paired: pairs[k] = (values[2k] low, values[2k + 1]).
-template <int64_t kSlots>
-inline void PairAdjacent(const float* values, uint32_t* pairs) {
+// n f32 values rounded to bf16 (nearest even) into to[0, n), where adjacent ones form Bf16Pairs (2k low, 2k + 1
+// high): VCVTNEPS2BF16 a vector at a time where the CPU has it (it flushes denormals, as VDPBF16PS then would),
+// RoundToBf16 for the rest.
+inline void RoundToBf16s(const float* from, int64_t n, uint16_t* to) {
+  int64_t k = 0;
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-  if constexpr (kSlots == 16) {  // VCVTNEPS2BF16 (which flushes denormals, as VDPBF16PS then would)
-    const __m256bh halves = _mm512_cvtneps_pbh(_mm512_loadu_ps(values));
-    __builtin_memcpy(pairs, &halves, sizeof(halves));
-    return;
+  for (; k + kLanes <= n; k += kLanes) {
+    const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_loadu_ps(from + k));
+    __builtin_memcpy(to + k, &rounded, sizeof(rounded));
   }
 #endif
-  for (int64_t k = 0; k < kSlots / 2; ++k) {
-    pairs[k] = RoundToBf16(values[2 * k]) | static_cast<uint32_t>(RoundToBf16(values[2 * k + 1])) << 16;
-  }
+  for (; k < n; ++k) to[k] = RoundToBf16(from[k]);
 }
 
 // kVecs vectors of pairs (first[d], second[d]) for d in [0, kVecs * kLanes): two value rows interleaved.

@@ -104,8 +104,8 @@ inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, c
     for (int c = 0; c < kChunks; ++c) out[r][c] = LoadVec(acc[r] + c * kLanes) * rescale[r];
   }
   if constexpr (kPairs) {  // slots (2k, 2k + 1); a slot outside [lo, hi) has weight 0 and borrows its partner's row
-    uint32_t weight_pairs[kRows][kSlotSpan / 2];
-    for (int r = 0; r < kRows; ++r) PairAdjacent<kSlotSpan>(weight[r], weight_pairs[r]);
+    uint16_t weight_pairs[kRows][kSlotSpan];  // slots 2k and 2k + 1 side by side: pair k
+    for (int r = 0; r < kRows; ++r) RoundToBf16s(weight[r], kSlotSpan, weight_pairs[r]);
     for (int64_t k = lo / 2; k <= (hi - 1) / 2; ++k) {
       const T* first = values + std::max(2 * k, lo) * row_width;
       const T* second = values + std::min(2 * k + 1, hi - 1) * row_width;
@@ -113,7 +113,7 @@ inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, c
       InterleaveRows<kChunks>(first, second, v);
 #pragma GCC unroll 4
       for (int r = 0; r < kRows; ++r) {
-        const Vec w = SplatBits(&weight_pairs[r][k]);
+        const Vec w = SplatBits(&weight_pairs[r][2 * k]);
 #pragma GCC unroll 16
         for (int c = 0; c < kChunks; ++c) out[r][c] = DotPairs(out[r][c], w, v[c]);
       }
@@ -179,11 +179,10 @@ void AttendRunLanes(const Shapes& s, const float* q, const T* pages, const int32
   std::vector<float> acc(H * count * G * D, 0.0f), running_max(H * count * G, kMaskValue),
       running_sum(H * count * G, 0.0f);
   constexpr bool kPairs = std::is_same_v<T, uint16_t>;
-  std::vector<uint32_t> q_pairs;  // a bf16 pool's queries: [count, N, D / 2] pairs of head dims, rounded to bf16
+  std::vector<uint16_t> q_pairs;  // a bf16 pool's queries, rounded to bf16: [count, N, D], pairs of head dims
   if constexpr (kPairs) {
-    q_pairs.resize(count * s.num_q_heads * D / 2);
-    const float* q_run = q + first_token * s.num_q_heads * D;
-    for (size_t k = 0; k < q_pairs.size(); ++k) PairAdjacent<2>(q_run + 2 * k, &q_pairs[k]);
+    q_pairs.resize(count * s.num_q_heads * D);
+    RoundToBf16s(q + first_token * s.num_q_heads * D, static_cast<int64_t>(q_pairs.size()), q_pairs.data());
   }
   const int32_t* table = RowTable(s, block_tables, row);
   for (int64_t first = run_start - run_start % P; first < run_end; first += P) {
@@ -201,7 +200,7 @@ void AttendRunLanes(const Shapes& s, const float* q, const T* pages, const int32
           if (lo >= hi) continue;  // nothing of these slots is visible to the token
           const int64_t state = (h * count + i) * G;  // the token's first query head under this KV head
           const float* q_heads =  // [G, D], or [G, D / 2] pairs (their bits, read by memcpy)
-              kPairs ? reinterpret_cast<const float*>(q_pairs.data() + (i * s.num_q_heads + kv_head * G) * D / 2)
+              kPairs ? reinterpret_cast<const float*>(q_pairs.data() + (i * s.num_q_heads + kv_head * G) * D)
                      : q + ((first_token + i) * s.num_q_heads + kv_head * G) * D;
           float* acc_heads = acc.data() + state * D;
           constexpr int kRows = MaxSpanRows<kChunks>();

@@ -373,14 +373,7 @@ const float* ToBf16Pairs(ffi::ThreadPool& pool, const float* x, int64_t t_size, 
   auto row = [&](int64_t t) {
     const float* from = x + t * k_size;
     uint16_t* row_to = to + t * 2 * pair_steps;
-    int64_t k = 0;
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-    for (; k + kLanes <= k_size; k += kLanes) {
-      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_loadu_ps(from + k));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row_to + k), (__m256i)rounded);
-    }
-#endif
-    for (; k < k_size; ++k) row_to[k] = RoundToBf16(from[k]);
+    RoundToBf16s(from, k_size, row_to);
     if (k_size % 2) row_to[k_size] = 0;
   };
   constexpr int64_t kRowsPerItem = 64;

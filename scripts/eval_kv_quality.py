@@ -1,6 +1,7 @@
 """KV-cache quality report: 8-bit KV (FP8 e4m3 and e5m2, int8) against bf16 KV on the embedded SmolLM2.
 
     python scripts/eval_kv_quality.py [--num_sequences 200] [--out bench_results/kv_quality]
+    python scripts/eval_kv_quality.py --baseline_kv float32 --kv_dtypes bfloat16  # bf16 KV against f32 KV
 
 Texts: --num_sequences windows of --length tokens, half natural English that the packages on this machine
 carry (the docstrings of Python's standard library and the license texts in site-packages), half the
@@ -294,11 +295,9 @@ def main(argv):
         "seconds": time.perf_counter() - start,
     }
     lines = [
-        f"{', '.join(candidates)} KV vs {baseline} KV on {FLAGS.model or 'SmolLM2-135M'}: {report['num_sequences']} "
-        f"windows of "
-        f"{FLAGS.length} tokens "
-        f"({report['positions']} positions), half natural text, half generated answers; greedy: "
-        f"{FLAGS.greedy_tokens} tokens after the first {half}.",
+        f"{', '.join(candidates)} KV vs {baseline} KV on {FLAGS.model or 'SmolLM2-135M'}: "
+        f"{report['num_sequences']} windows of {FLAGS.length} tokens ({report['positions']} positions), half natural "
+        f"text, half generated answers; greedy: {FLAGS.greedy_tokens} tokens after the first {half}.",
         "",
         f"| KV | {TABLE_COLUMNS}",
         "|---|---:|---:|---:|---:|---:|---:|",
