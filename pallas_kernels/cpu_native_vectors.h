@@ -20,6 +20,20 @@ typedef int32_t IntVec __attribute__((vector_size(kLanes * 4)));
 typedef uint16_t HalfVec __attribute__((vector_size(kLanes * 2)));
 
 inline Vec Max(Vec a, Vec b) { return a > b ? a : b; }
+// Whether any lane of v exceeds x (a mask test, without a horizontal reduction).
+inline bool AnyAbove(Vec v, float x) {
+  const IntVec above = v > x;
+#if defined(__AVX512F__)
+  return _mm512_test_epi32_mask((__m512i)above, (__m512i)above) != 0;
+#elif defined(__AVX__)
+  return !_mm256_testz_si256((__m256i)above, (__m256i)above);
+#else
+  for (int64_t j = 0; j < kLanes; ++j) {
+    if (above[j]) return true;
+  }
+  return false;
+#endif
+}
 inline Vec LoadVec(const float* p) {
   Vec v;
   __builtin_memcpy(&v, p, sizeof(v));

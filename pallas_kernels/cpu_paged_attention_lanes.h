@@ -85,8 +85,14 @@ inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, c
       scores[r][b] = visible[b] ? scores[r][b] : Splat(kMaskValue);
       block_max = Max(block_max, scores[r][b]);
     }
-    const float new_max = std::max(running_max[r], HorizontalMax(block_max));
-    rescale[r] = std::exp(running_max[r] - new_max);
+    // The maximum moves only where a score passes it. Where none does, the rescale is exp(0) = 1 exactly, so the
+    // horizontal maximum and the exponential are skipped without changing a bit.
+    float new_max = running_max[r];
+    rescale[r] = 1.0f;
+    if (AnyAbove(block_max, new_max)) {
+      new_max = HorizontalMax(block_max);
+      rescale[r] = std::exp(running_max[r] - new_max);
+    }
     Vec total = {};
     for (int64_t b = 0; b < kSlotVecs; ++b) {
       Vec weights = Exp(scores[r][b] - Splat(new_max));
@@ -97,11 +103,16 @@ inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, c
     running_sum[r] = running_sum[r] * rescale[r] + HorizontalSum(total);
     running_max[r] = new_max;
   }
+  bool rescaled = false;
+  for (int r = 0; r < kRows; ++r) rescaled |= rescale[r] != 1.0f;
   Vec out[kRows][kChunks];
 #pragma GCC unroll 4
   for (int r = 0; r < kRows; ++r) {
 #pragma GCC unroll 16
-    for (int c = 0; c < kChunks; ++c) out[r][c] = LoadVec(acc[r] + c * kLanes) * rescale[r];
+    for (int c = 0; c < kChunks; ++c) {
+      out[r][c] = LoadVec(acc[r] + c * kLanes);
+      if (rescaled) out[r][c] *= rescale[r];  // times 1 changes no bit: skipped when no row's maximum moved
+    }
   }
   if constexpr (kPairs) {  // slots (2k, 2k + 1); a slot outside [lo, hi) has weight 0 and borrows its partner's row
     uint16_t weight_pairs[kRows][kSlotSpan];  // slots 2k and 2k + 1 side by side: pair k
