@@ -221,18 +221,9 @@ inline void InterleaveRows(const uint16_t* first, const uint16_t* second, Vec* p
   }
 }
 
-// e^x for x <= 0, lane by lane, for any GCC vector V of f32 with IV its int32 vector: x = n ln2 + r with
-// |r| <= ln2 / 2, e^r by a degree-7 polynomial (its Taylor coefficients), 2^n put into the exponent bits. Below -87
-// (where e^x leaves f32's normal range) it gives e^-87, which beside the row's maximum weight of 1 is nothing; masked
-// weights are zeroed by the caller.
-template <typename V, typename IV>
-inline V ExpOf(V x) {
-  const V floor_value = V{} - 87.0f;
-  x = x < floor_value ? floor_value : x;
-  const V scaled = x * 1.44269504088896341f;  // x / ln2
-  const IV n = __builtin_convertvector(scaled + (scaled < V{} ? V{} - 0.5f : V{} + 0.5f), IV);
-  const V nf = __builtin_convertvector(n, V);
-  const V r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-6f;  // ln2 in two parts
+// e^r for |r| <= ln2 / 2: a degree-7 polynomial (e's Taylor coefficients), for any GCC vector V of f32.
+template <typename V>
+inline V ExpPolynomial(V r) {
   V p = V{} + 1.0f / 5040.0f;
   p = p * r + 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
@@ -240,13 +231,46 @@ inline V ExpOf(V x) {
   p = p * r + 1.0f / 6.0f;
   p = p * r + 0.5f;
   p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  return p * r + 1.0f;
+}
+
+// ln2 in two parts: the first has few enough bits that n * kLn2High is exact for the n that e^x meets.
+constexpr float kLn2High = 0.693145751953125f;
+constexpr float kLn2Low = 1.428606765330187e-6f;
+
+// e^x for x <= 0, lane by lane, for any GCC vector V of f32 with IV its int32 vector: x = n ln2 + r with
+// |r| <= ln2 / 2, e^r by ExpPolynomial, 2^n put into the exponent bits. Below -87 (where e^x leaves f32's normal
+// range) it gives e^-87, which beside the row's maximum weight of 1 is nothing; masked weights are zeroed by the
+// caller.
+template <typename V, typename IV>
+inline V ExpOf(V x) {
+  const V floor_value = V{} - 87.0f;
+  x = x < floor_value ? floor_value : x;
+  const V scaled = x * 1.44269504088896341f;  // x / ln2
+  const IV n = __builtin_convertvector(scaled + (scaled < V{} ? V{} - 0.5f : V{} + 0.5f), IV);
+  const V nf = __builtin_convertvector(n, V);
+  const V p = ExpPolynomial((x - nf * kLn2High) - nf * kLn2Low);
   const IV bits = (n + 127) << 23;
   V two_to_n;
   __builtin_memcpy(&two_to_n, &bits, sizeof(two_to_n));
   return p * two_to_n;
 }
+
+#if defined(__AVX512F__)
+// ExpOf's arithmetic with AVX-512's rounding (VRNDSCALEPS) and 2^n scaling (VSCALEFPS) in place of the conversions
+// to and from int32 and the exponent bits: 13 instructions against about 19, in the softmax that takes a fifth of a
+// prefill chunk's attention. n rounds half to even, not away from zero, so a tie takes the other n; e^x is as exact
+// either way. A NaN stays NaN (VMAXPS returns its second operand).
+inline Vec Exp(Vec x) {
+  const __m512 clamped = _mm512_max_ps(_mm512_set1_ps(-87.0f), (__m512)x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), clamped));
+  return (Vec)_mm512_scalef_ps((__m512)ExpPolynomial((Vec)r), n);
+}
+#else
 inline Vec Exp(Vec x) { return ExpOf<Vec, IntVec>(x); }
+#endif
 
 // v's lanes in another order: GCC and clang spell the builtin differently ($CXX may be either).
 #if defined(__clang__)
