@@ -308,12 +308,10 @@ inline float HorizontalMax(Vec v) {
 // The sums of the lanes of v[0], ..., v[15] as one vector (lane s: the sum of v[s]'s lanes), by a butterfly: each
 // level adds the halves of pairs of vectors, 15 pairs of two shuffles and an add in all, against 16 x 8 operations
 // for sixteen HorizontalSums. Each output lane sums only its own input's lanes.
-inline Vec SumEachLane(const Vec v[kLanes]) {
-  Vec u[8], w[4], z[2];
-  for (int k = 0; k < 8; ++k) {  // lanes 0-7: 8 partial sums of v[2k]; lanes 8-15: of v[2k + 1]
-    u[k] = PAXKV_SHUFFLE2(v[2 * k], v[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           PAXKV_SHUFFLE2(v[2 * k], v[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  }
+//
+// SumEachLaneOfHalves starts one level in: u[k]'s lanes 0-7 are partial sums of input 2k, lanes 8-15 of input 2k + 1.
+inline Vec SumEachLaneOfHalves(const Vec u[8]) {
+  Vec w[4], z[2];
   for (int m = 0; m < 4; ++m) {  // 4 lanes each for v[4m], ..., v[4m + 3]
     w[m] = PAXKV_SHUFFLE2(u[2 * m], u[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
            PAXKV_SHUFFLE2(u[2 * m], u[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
@@ -324,6 +322,21 @@ inline Vec SumEachLane(const Vec v[kLanes]) {
   }
   return PAXKV_SHUFFLE2(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          PAXKV_SHUFFLE2(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+inline Vec SumEachLane(const Vec v[kLanes]) {
+  Vec u[8];
+  for (int k = 0; k < 8; ++k) {  // lanes 0-7: 8 partial sums of v[2k]; lanes 8-15: of v[2k + 1]
+    u[k] = PAXKV_SHUFFLE2(v[2 * k], v[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           PAXKV_SHUFFLE2(v[2 * k], v[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  return SumEachLaneOfHalves(u);
+}
+
+// 256 bits from each of two places side by side: [low's 16 bf16 | high's 16 bf16].
+inline Vec JoinHalves(const uint16_t* low, const uint16_t* high) {
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(low));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high));
+  return (Vec)_mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
 }
 #else
 // The sum of v's lanes, by halving (three shuffles and adds).

@@ -25,6 +25,11 @@ inline IntVec LaneIndices() {
 constexpr int64_t kSlotVecs = kLanes >= 16 ? 1 : 16 / kLanes;
 constexpr int64_t kSlotSpan = kSlotVecs * kLanes;
 
+// Whether a bf16 pool's scores take two slots a vector (AVX-512, see AttendSlotSpan). Its queries are then held with
+// each 256-bit half of their pairs twice over: [D / 16][the half's 8 pairs, the same 8 pairs], D floats of bits.
+template <typename T>
+constexpr bool kJoinedSlots = std::is_same_v<T, uint16_t> && kLanes == 16;
+
 // kRows query rows of one token (query heads sharing a KV head, so the same slots [lo, hi) visible) against slots
 // [chunk, chunk + n) of a page (n <= kSlotSpan): updates each row's running maximum, sum and output accumulator
 // acc[r][kChunks * kLanes] (online softmax). The rows are independent chains worked side by side, and each value row
@@ -32,6 +37,10 @@ constexpr int64_t kSlotSpan = kSlotVecs * kLanes;
 //
 // Over a bf16 pool the products are of bf16 pairs (DotPairs), as on the tiled path: q_rows hold the queries as pairs
 // of adjacent head dims (kChunks / 2 vectors), and the weights are rounded to bf16 in pairs of adjacent slots.
+// With AVX-512 (kJoinedSlots) a score vector holds two slots: a 256-bit half of slot 2k's key pairs beside the same
+// half of slot 2k + 1's (JoinHalves), multiplied by that half of the query twice over, puts each slot's products in
+// its own 8 lanes, so the butterfly starts a level in (SumEachLaneOfHalves). That saves its first level, two shuffles
+// and an add per row and slot pair, for one join per half and slot pair, made once for all the rows.
 template <int kChunks, int kRows, typename T>
 inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, const T* values, int64_t row_width,
                            int64_t n, int64_t lo, int64_t hi, float soft_cap, float* running_max, float* running_sum,
@@ -39,31 +48,53 @@ inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, c
   constexpr bool kPairs = std::is_same_v<T, uint16_t>;
   constexpr int kQueryVecs = kPairs ? kChunks / 2 : kChunks;
   Vec scores[kRows][kSlotVecs];
-#pragma GCC unroll 4
-  for (int r = 0; r < kRows; ++r) {
-    Vec q[kQueryVecs];
-#pragma GCC unroll 16
-    for (int c = 0; c < kQueryVecs; ++c) q[c] = LoadVec(q_rows[r] + c * kLanes);
-#pragma GCC unroll 4
-    for (int64_t b = 0; b < kSlotVecs; ++b) {
-      Vec partial[kLanes];
-#pragma GCC unroll 16
-      for (int64_t j = 0; j < kLanes; ++j) {
-        Vec dot = {};
-        if (b * kLanes + j < n) {
-          const T* key = keys + (b * kLanes + j) * row_width;
-          if constexpr (kPairs) {
-            const Bf16Pair* key_pairs = reinterpret_cast<const Bf16Pair*>(key);
+  if constexpr (kJoinedSlots<T>) {
+    constexpr int kHalves = kChunks * kLanes / 16;  // 256-bit halves of a key's pairs
+    Vec partial[kRows][kSlotSpan / 2];              // [r][k]: lanes 0-7 slot 2k's, 8-15 slot 2k + 1's
 #pragma GCC unroll 8
-            for (int c = 0; c < kQueryVecs; ++c) dot = DotPairs(dot, q[c], LoadValues(key_pairs + c * kLanes));
-          } else {
-#pragma GCC unroll 16
-            for (int c = 0; c < kChunks; ++c) dot += q[c] * LoadValues(key + c * kLanes);
-          }
-        }
-        partial[j] = dot;
+    for (int64_t k = 0; k < kSlotSpan / 2; ++k) {  // slots past n repeat slot n - 1, and are masked below
+      const T* first = keys + std::min<int64_t>(2 * k, n - 1) * row_width;
+      const T* second = keys + std::min<int64_t>(2 * k + 1, n - 1) * row_width;
+      Vec joined[kHalves];
+#pragma GCC unroll 8
+      for (int h = 0; h < kHalves; ++h) joined[h] = JoinHalves(first + 16 * h, second + 16 * h);
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) {
+        Vec dot = {};
+#pragma GCC unroll 8
+        for (int h = 0; h < kHalves; ++h) dot = DotPairs(dot, joined[h], LoadVec(q_rows[r] + h * kLanes));
+        partial[r][k] = dot;
       }
-      scores[r][b] = SumEachLane(partial);  // lane j: slot b * kLanes + j's score
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) scores[r][0] = SumEachLaneOfHalves(partial[r]);
+  } else {
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      Vec q[kQueryVecs];
+#pragma GCC unroll 16
+      for (int c = 0; c < kQueryVecs; ++c) q[c] = LoadVec(q_rows[r] + c * kLanes);
+#pragma GCC unroll 4
+      for (int64_t b = 0; b < kSlotVecs; ++b) {
+        Vec partial[kLanes];
+#pragma GCC unroll 16
+        for (int64_t j = 0; j < kLanes; ++j) {
+          Vec dot = {};
+          if (b * kLanes + j < n) {
+            const T* key = keys + (b * kLanes + j) * row_width;
+            if constexpr (kPairs) {
+              const Bf16Pair* key_pairs = reinterpret_cast<const Bf16Pair*>(key);
+#pragma GCC unroll 8
+              for (int c = 0; c < kQueryVecs; ++c) dot = DotPairs(dot, q[c], LoadValues(key_pairs + c * kLanes));
+            } else {
+#pragma GCC unroll 16
+              for (int c = 0; c < kChunks; ++c) dot += q[c] * LoadValues(key + c * kLanes);
+            }
+          }
+          partial[j] = dot;
+        }
+        scores[r][b] = SumEachLane(partial);  // lane j: slot b * kLanes + j's score
+      }
     }
   }
   const IntVec lanes = LaneIndices();
@@ -155,7 +186,7 @@ inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, c
 template <int kChunks, int kRows, typename T>
 inline void AttendHeadsSpan(const float* q_heads, const T* keys, int64_t row_width, int64_t n, int64_t lo, int64_t hi,
                             float soft_cap, int64_t g, float* running_max, float* running_sum, float* acc) {
-  constexpr int64_t D = kChunks * kLanes, query_width = std::is_same_v<T, uint16_t> ? D / 2 : D;
+  constexpr int64_t D = kChunks * kLanes, query_width = std::is_same_v<T, uint16_t> && !kJoinedSlots<T> ? D / 2 : D;
   const float* q_rows[kRows];
   float* acc_rows[kRows];
   for (int r = 0; r < kRows; ++r) {
@@ -190,10 +221,21 @@ void AttendRunLanes(const Shapes& s, const float* q, const T* pages, const int32
   std::vector<float> acc(H * count * G * D, 0.0f), running_max(H * count * G, kMaskValue),
       running_sum(H * count * G, 0.0f);
   constexpr bool kPairs = std::is_same_v<T, uint16_t>;
-  std::vector<uint16_t> q_pairs;  // a bf16 pool's queries, rounded to bf16: [count, N, D], pairs of head dims
+  // A bf16 pool's queries, rounded to bf16: [count, N, D], pairs of head dims; with kJoinedSlots [count, N, 2 * D],
+  // each 16-value half twice.
+  constexpr int64_t kQueryBits = kJoinedSlots<T> ? 2 * D : D;
+  std::vector<uint16_t> q_pairs;
   if constexpr (kPairs) {
-    q_pairs.resize(count * s.num_q_heads * D);
-    RoundToBf16s(q + first_token * s.num_q_heads * D, static_cast<int64_t>(q_pairs.size()), q_pairs.data());
+    const int64_t num_heads = count * s.num_q_heads;
+    q_pairs.resize(num_heads * kQueryBits);
+    RoundToBf16s(q + first_token * s.num_q_heads * D, num_heads * D, q_pairs.data());
+    if constexpr (kJoinedSlots<T>) {  // in place, back to front: the j-th 16 values go to 32j and 32j + 16
+      for (int64_t j = num_heads * D / 16 - 1; j >= 0; --j) {
+        uint16_t* to = q_pairs.data() + 32 * j;
+        std::memmove(to + 16, q_pairs.data() + 16 * j, 16 * sizeof(uint16_t));
+        std::memmove(to, q_pairs.data() + 16 * j, 16 * sizeof(uint16_t));
+      }
+    }
   }
   const int32_t* table = RowTable(s, block_tables, row);
   for (int64_t first = run_start - run_start % P; first < run_end; first += P) {
@@ -210,9 +252,10 @@ void AttendRunLanes(const Shapes& s, const float* q, const T* pages, const int32
           const int64_t hi = std::min(chunk + n, ranges[i].end) - chunk;
           if (lo >= hi) continue;  // nothing of these slots is visible to the token
           const int64_t state = (h * count + i) * G;  // the token's first query head under this KV head
-          const float* q_heads =  // [G, D], or [G, D / 2] pairs (their bits, read by memcpy)
-              kPairs ? reinterpret_cast<const float*>(q_pairs.data() + (i * s.num_q_heads + kv_head * G) * D)
-                     : q + ((first_token + i) * s.num_q_heads + kv_head * G) * D;
+          // [G, D], or pairs' bits (read by memcpy): [G, D / 2], or [G, D] with kJoinedSlots.
+          const int64_t head = i * s.num_q_heads + kv_head * G;
+          const float* q_heads = kPairs ? reinterpret_cast<const float*>(q_pairs.data() + head * kQueryBits)
+                                        : q + (first_token * s.num_q_heads + head) * D;
           float* acc_heads = acc.data() + state * D;
           constexpr int kRows = MaxSpanRows<kChunks>();
           int64_t g = 0;
