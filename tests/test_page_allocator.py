@@ -53,7 +53,18 @@ def test_allocate_reuses_the_most_recently_freed_pages_first():
     allocator.free([2])
     assert allocator.allocate(1) == [2]
     allocator.free([1, 3])
-    assert allocator.allocate(3) == [3, 1, 4]
+    assert allocator.allocate(3) == [1, 3, 4]
+
+
+def test_a_freed_block_table_comes_back_in_its_own_order():
+    allocator = PageAllocator(12)
+    first = allocator.allocate(4)
+    second = allocator.allocate(5)
+    allocator.free(first)
+    allocator.free(second)
+    # the last freed comes back first, each block table front to back, then the fresh pages
+    assert allocator.allocate(11) == [*second, *first, 10, 11]
+    allocator.check_invariants()
 
 
 def test_allocation_order_is_deterministic():

@@ -99,6 +99,11 @@ class PageAllocator:
     def free(self, pages: Iterable[int]) -> None:
         """Drops one holder from each page, counting repeats; raises ValueError and changes nothing on a double free.
 
+        Pages left with no holder go back so that the next allocation of as many hands them out in the order given:
+        a freed block table comes back front to back, as a fresh pool's pages do. (Pushed in the given order, it came
+        back last page first, so a sequence's pages lay at falling addresses, which a CPU's prefetchers do not
+        follow from page to page.)
+
         Args:
           pages: pages the caller holds; each one left with no holder returns to the free list.
         """
@@ -109,8 +114,8 @@ class PageAllocator:
                     f"cannot free page {page} {num_drops_of_page} time(s): it has ref count {self._ref_counts[page]} "
                     "(double free); free only pages you hold"
                 )
-        for page, num_drops_of_page in num_drops.items():
-            self._ref_counts[page] -= num_drops_of_page
+        for page in reversed(num_drops):  # the stack's top is the first page given
+            self._ref_counts[page] -= num_drops[page]
             if self._ref_counts[page] == 0:
                 self._free_pages.append(page)
 
