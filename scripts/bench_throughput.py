@@ -79,7 +79,7 @@ import tempfile
 from throughput_machine import checkout_commit, machine_description, matmul_ceiling_gflops, read_bandwidth_gbs
 from throughput_models import RANDOM_LLAMA, RANDOM_LLAMA_SEED, save_random_llama, save_smollm2_hf
 from throughput_process import Worker, WorkerError, settle
-from throughput_report import add_derived, markdown, plot  # scripts/ is on sys.path
+from throughput_report import add_derived, markdown, plot, record_model_facts  # scripts/ is on sys.path
 
 MODELS = ("smollm2", "random_llama")
 SYSTEMS = (
@@ -236,9 +236,7 @@ class _ModelBench:
         if ready["vocab_size"] is not None:  # llama.cpp does not say
             self.vocab_size = min(self.vocab_size or ready["vocab_size"], ready["vocab_size"])
             self.result["vocab_size"][self.model] = self.vocab_size
-        if system == "paxkv" and ready.get("kv_bytes_per_token"):
-            self.result["kv_bytes_per_token"][self.model] = ready["kv_bytes_per_token"]
-            self.result["model_shape"][self.model] = ready["shape"]
+        record_model_facts(self.result, self.model, system, ready)
 
     def _fail(self, system: str, batch: int | None, error: Exception) -> None:
         """Record a worker's failure and drop that system for the rest of this model."""

@@ -18,6 +18,23 @@ KV_BYTES_SHARE = {"paxkv_bf16_kv": 0.5, "paxkv_baseline_bf16_kv": 0.5, "vllm_bf1
 NARROW_PAXKV = ("paxkv_bf16", "paxkv_bf16_kv", "paxkv_int8")
 
 
+def record_model_facts(result: dict, model: str, system: str, ready: dict) -> None:
+    """Keep the model's shape and its f32 KV bytes a token (what KV_BYTES_SHARE scales) from a paxkv worker's ready
+    message, so that the roofline shares have them whichever paxkv systems ran; paxkv's own f32 pool wins.
+
+    Args:
+      result: the benchmark's result (its "model_shape" and "kv_bytes_per_token" maps are filled in).
+      model, system: the worker's model and system.
+      ready: its ready message (kv_bytes_per_token of its own pool, and the model's shape).
+    """
+    if not system.startswith("paxkv") or not ready.get("kv_bytes_per_token"):
+        return
+    if ready.get("shape"):
+        result["model_shape"].setdefault(model, ready["shape"])
+    if system == "paxkv" or model not in result["kv_bytes_per_token"]:
+        result["kv_bytes_per_token"][model] = round(ready["kv_bytes_per_token"] / KV_BYTES_SHARE.get(system, 1.0))
+
+
 def work_per_token(params: int, shape: dict | None) -> tuple[int, int]:
     """(weights a prompt token multiplies, weights a generated token multiplies and reads): the layers', plus the
     lm_head's for a generated token; the embedding is a lookup. Without the model's shape, params for both."""

@@ -98,3 +98,30 @@ def test_throughput_report_shares_llamacpp_row_and_skipped_models(monkeypatch):
     assert "| smollm2 | 2 | paxkv | 50.0 | — | 1.000 | 200 | 100.0 | 32% / 40% |" in table
     assert "| smollm2 | 2 | llamacpp | 100.0 | 0.50 | 1.000 | 200 | 20.0 | — / — |" in table
     assert "not an equal-precision peer" in table and "llamacpp/random_llama skipped: no GGUF." in table
+
+
+def test_throughput_report_takes_the_model_facts_from_any_paxkv_system(monkeypatch):
+    """A run without paxkv itself still gets the model's shape and f32 KV bytes (a bf16 pool's doubled), so its
+    prefill share leaves out the embedding; paxkv's own pool wins over the others'."""
+    monkeypatch.syspath_prepend(SCRIPTS)
+    import throughput_report
+
+    shape = {"embedding_params": 20_000_000, "tied_embeddings": True}
+    result = dict(model_shape={}, kv_bytes_per_token={})
+
+    def record(system, kv_bytes_per_token):
+        ready = {"kv_bytes_per_token": kv_bytes_per_token, "shape": shape}
+        throughput_report.record_model_facts(result, "smollm2", system, ready)
+
+    record("vllm_bf16", 9)
+    assert result == dict(model_shape={}, kv_bytes_per_token={})
+    record("paxkv_bf16_kv", 500)
+    assert result == dict(model_shape={"smollm2": shape}, kv_bytes_per_token={"smollm2": 1000})
+    record("paxkv", 1004)
+    assert result["kv_bytes_per_token"] == {"smollm2": 1004}
+    record("paxkv_int8", 7)
+    assert result["kv_bytes_per_token"] == {"smollm2": 1004}
+    # 1000 prompt tokens/s x 2 x (1e8 - 2e7) layer weights at 200 GFLOP/s (bf16): 0.8
+    row = dict(system="paxkv_bf16_kv", model="smollm2", prefill_tokens_per_s=1000.0)
+    ceilings = dict(roofline_gflops=100.0, roofline_gflops_bf16=200.0, model_shape=result["model_shape"])
+    assert throughput_report.roofline_shares(row, 1e8, None, ceilings)["prefill_roofline_share"] == pytest.approx(0.8)
