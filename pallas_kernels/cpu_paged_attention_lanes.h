@@ -30,6 +30,12 @@ constexpr int64_t kSlotSpan = kSlotVecs * kLanes;
 template <typename T>
 constexpr bool kJoinedSlots = std::is_same_v<T, uint16_t> && kLanes == 16;
 
+// Floats (or bf16 pairs' bits in f32 slots) a query row takes in q_rows: D, D / 2 pairs, or with kJoinedSlots D.
+template <typename T>
+constexpr int64_t QueryWidth(int64_t D) {
+  return std::is_same_v<T, uint16_t> && !kJoinedSlots<T> ? D / 2 : D;
+}
+
 // kRows query rows of one token (query heads sharing a KV head, so the same slots [lo, hi) visible) against slots
 // [chunk, chunk + n) of a page (n <= kSlotSpan): updates each row's running maximum, sum and output accumulator
 // acc[r][kChunks * kLanes] (online softmax). The rows are independent chains worked side by side, and each value row
@@ -186,7 +192,7 @@ inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, c
 template <int kChunks, int kRows, typename T>
 inline void AttendHeadsSpan(const float* q_heads, const T* keys, int64_t row_width, int64_t n, int64_t lo, int64_t hi,
                             float soft_cap, int64_t g, float* running_max, float* running_sum, float* acc) {
-  constexpr int64_t D = kChunks * kLanes, query_width = std::is_same_v<T, uint16_t> && !kJoinedSlots<T> ? D / 2 : D;
+  constexpr int64_t D = kChunks * kLanes, query_width = QueryWidth<T>(D);
   const float* q_rows[kRows];
   float* acc_rows[kRows];
   for (int r = 0; r < kRows; ++r) {
@@ -223,7 +229,7 @@ void AttendRunLanes(const Shapes& s, const float* q, const T* pages, const int32
   constexpr bool kPairs = std::is_same_v<T, uint16_t>;
   // A bf16 pool's queries, rounded to bf16: [count, N, D], pairs of head dims; with kJoinedSlots [count, N, 2 * D],
   // each 16-value half twice.
-  constexpr int64_t kQueryBits = kJoinedSlots<T> ? 2 * D : D;
+  constexpr int64_t kQueryBits = 2 * QueryWidth<T>(D);  // uint16 a head
   std::vector<uint16_t> q_pairs;
   if constexpr (kPairs) {
     const int64_t num_heads = count * s.num_q_heads;
