@@ -50,7 +50,7 @@ constexpr int64_t QueryWidth(int64_t D) {
 template <int kChunks, int kRows, typename T>
 inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, const T* values, int64_t row_width,
                            int64_t n, int64_t lo, int64_t hi, float soft_cap, float* running_max, float* running_sum,
-                           float* const (&acc)[kRows]) {
+                           float* const (&acc)[kRows], const T* next_rows) {
   constexpr bool kPairs = std::is_same_v<T, uint16_t>;
   constexpr int kQueryVecs = kPairs ? kChunks / 2 : kChunks;
   Vec scores[kRows][kSlotVecs];
@@ -157,6 +157,10 @@ inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, c
     for (int64_t k = lo / 2; k <= (hi - 1) / 2; ++k) {
       const T* first = values + std::max(2 * k, lo) * row_width;
       const T* second = values + std::min(2 * k + 1, hi - 1) * row_width;
+      if (next_rows != nullptr) {
+        PrefetchSlotRows(next_rows + 2 * k * row_width, kChunks * kLanes);
+        PrefetchSlotRows(next_rows + (2 * k + 1) * row_width, kChunks * kLanes);
+      }
       Vec v[kChunks];
       InterleaveRows<kChunks>(first, second, v);
 #pragma GCC unroll 4
@@ -169,6 +173,7 @@ inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, c
   } else {
     for (int64_t j = lo; j < hi; ++j) {
       const T* value = values + j * row_width;
+      if (next_rows != nullptr) PrefetchSlotRows(next_rows + j * row_width, kChunks * kLanes);
       Vec v[kChunks];
 #pragma GCC unroll 16
       for (int c = 0; c < kChunks; ++c) v[c] = LoadValues(value + c * kLanes);
@@ -191,7 +196,8 @@ inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, c
 // q_heads holds a query row per head (a bf16 pool's: D / 2 pairs).
 template <int kChunks, int kRows, typename T>
 inline void AttendHeadsSpan(const float* q_heads, const T* keys, int64_t row_width, int64_t n, int64_t lo, int64_t hi,
-                            float soft_cap, int64_t g, float* running_max, float* running_sum, float* acc) {
+                            float soft_cap, int64_t g, float* running_max, float* running_sum, float* acc,
+                            const T* next_rows) {
   constexpr int64_t D = kChunks * kLanes, query_width = QueryWidth<T>(D);
   const float* q_rows[kRows];
   float* acc_rows[kRows];
@@ -200,7 +206,7 @@ inline void AttendHeadsSpan(const float* q_heads, const T* keys, int64_t row_wid
     acc_rows[r] = acc + (g + r) * D;
   }
   AttendSlotSpan<kChunks, kRows>(q_rows, keys, keys + D, row_width, n, lo, hi, soft_cap, running_max + g,
-                                 running_sum + g, acc_rows);
+                                 running_sum + g, acc_rows, next_rows);
 }
 
 // Query rows that share one span's loads: the value update holds rows x kChunks accumulators, kept to half the
@@ -246,13 +252,18 @@ void AttendRunLanes(const Shapes& s, const float* q, const T* pages, const int32
   const int32_t* table = RowTable(s, block_tables, row);
   for (int64_t first = run_start - run_start % P; first < run_end; first += P) {
     const int64_t page_id = PageAt(s, table, first / P);
-    if (first + P < run_end) PrefetchPageHeads(s, pages, table, first / P + 1, head_begin, head_end, D);
+    if (first == run_start - run_start % P) ReadPageHeadsInOrder(s, pages, table, first / P, head_begin, head_end, D);
+    // The next page's slots, prefetched as these are worked on.
+    const T* next_page = first + P < run_end ? pages + PageAt(s, table, first / P + 1) * P * s.row_width : nullptr;
     for (int64_t chunk = first; chunk < std::min(first + P, run_end); chunk += kSlotSpan) {
       const int64_t n = std::min<int64_t>(kSlotSpan, first + P - chunk);
       const T* slots = pages + (page_id * P + chunk - first) * s.row_width;
       for (int64_t h = 0; h < H; ++h) {
         const int64_t kv_head = head_begin + h;
         const T* keys = slots + 2 * kv_head * D;
+        // The first (token, query rows) to attend this span prefetches the head's rows of the next page's slots.
+        const T* next_rows =
+            next_page == nullptr ? nullptr : next_page + (chunk - first) * s.row_width + 2 * kv_head * D;
         for (int64_t i = 0; i < count; ++i) {
           const int64_t lo = std::max(chunk, ranges[i].start) - chunk;
           const int64_t hi = std::min(chunk + n, ranges[i].end) - chunk;
@@ -267,13 +278,16 @@ void AttendRunLanes(const Shapes& s, const float* q, const T* pages, const int32
           int64_t g = 0;
           for (; g + kRows <= G; g += kRows) {
             AttendHeadsSpan<kChunks, kRows>(q_heads, keys, s.row_width, n, lo, hi, soft_cap, g,
-                                            running_max.data() + state, running_sum.data() + state, acc_heads);
+                                            running_max.data() + state, running_sum.data() + state, acc_heads,
+                                            next_rows);
+            next_rows = nullptr;
           }
           switch (G - g) {  // the rest of the group (fewer than kRows)
 #define PAXKV_SPAN_ROWS_CASE(rows)                                                                        \
   case rows:                                                                                              \
     AttendHeadsSpan<kChunks, rows>(q_heads, keys, s.row_width, n, lo, hi, soft_cap, g, running_max.data() + state, \
-                                   running_sum.data() + state, acc_heads);                                \
+                                   running_sum.data() + state, acc_heads, next_rows);                     \
+    next_rows = nullptr;                                                                                  \
     break;
             PAXKV_SPAN_ROWS_CASE(1)
             PAXKV_SPAN_ROWS_CASE(2)
