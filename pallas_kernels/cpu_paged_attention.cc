@@ -146,7 +146,9 @@ inline void ReadPageHeadsInOrder(const Shapes& s, const T* pages, const int32_t*
   for (int64_t slot = 0; slot < s.page_size; ++slot) {
     for (int64_t byte = 0; byte < bytes; byte += 64) {
       uint64_t word;
-      std::memcpy(&word, page + slot * s.row_width * sizeof(T) + byte, sizeof(word));
+      // bytes is at least a word: the lanes path's head_dims are 32, 64 and 128.
+      const int64_t at = std::min<int64_t>(byte, bytes - static_cast<int64_t>(sizeof(word)));
+      std::memcpy(&word, page + slot * s.row_width * sizeof(T) + at, sizeof(word));
       sink |= word;
     }
   }

@@ -47,6 +47,9 @@ constexpr int64_t QueryWidth(int64_t D) {
 // half of slot 2k + 1's (JoinHalves), multiplied by that half of the query twice over, puts each slot's products in
 // its own 8 lanes, so the butterfly starts a level in (SumEachLaneOfHalves). That saves its first level, two shuffles
 // and an add per row and slot pair, for one join per half and slot pair, made once for all the rows.
+//
+// next_rows, unless null, is this KV head's first row in the same slots of the row's next page: as each value row is
+// read, the same slot's K and V rows there are prefetched (PrefetchSlotRows).
 template <int kChunks, int kRows, typename T>
 inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, const T* values, int64_t row_width,
                            int64_t n, int64_t lo, int64_t hi, float soft_cap, float* running_max, float* running_sum,
@@ -157,9 +160,9 @@ inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, c
     for (int64_t k = lo / 2; k <= (hi - 1) / 2; ++k) {
       const T* first = values + std::max(2 * k, lo) * row_width;
       const T* second = values + std::min(2 * k + 1, hi - 1) * row_width;
-      if (next_rows != nullptr) {
-        PrefetchSlotRows(next_rows + 2 * k * row_width, kChunks * kLanes);
-        PrefetchSlotRows(next_rows + (2 * k + 1) * row_width, kChunks * kLanes);
+      if (next_rows != nullptr) {  // the same two slots of the next page
+        PrefetchSlotRows(next_rows + (first - values), kChunks * kLanes);
+        PrefetchSlotRows(next_rows + (second - values), kChunks * kLanes);
       }
       Vec v[kChunks];
       InterleaveRows<kChunks>(first, second, v);
