@@ -158,7 +158,7 @@ inline void ReadPageHeadsInOrder(const Shapes& s, const T* pages, const int32_t*
 // Prefetches one slot's K and V rows of a KV head (2 * D values from `rows`) into L2. The lanes path calls it for the
 // next page's slots one or two at a time as it reads the current page's values: spread out so, the prefetches keep
 // the memory busy beside the arithmetic, where a whole page's worth at once (PrefetchPageHeads) measured no faster
-// than none (the decode kernel alone over 30 layers' pools: a bf16 pool read at 13-14 GB/s with either, 23-27 GB/s
+// than none (the decode kernel alone over 30 layers' pools: a bf16 pool read at 13-14 GB/s with either, 22-27 GB/s
 // spread out; a burst of 192 prefetches presumably outruns the misses the core can hold, and the rest are dropped).
 template <typename T>
 inline void PrefetchSlotRows(const T* rows, int64_t D) {
