@@ -115,43 +115,44 @@ inline int64_t PageAt(const Shapes& s, const int32_t* table, int64_t column) {
   return std::clamp<int64_t>(table[std::min(column, s.pages_per_seq - 1)], 0, s.num_pages - 1);
 }
 
-// Prefetches the K and V rows of KV heads [head_begin, head_end) (head_dim D, contiguous in each token row) in the
-// page at `column` of a row's block table into L2, while the page before it is worked on. (Into L1, a whole page of
+// Calls visit(line) for each cache line of the K and V rows of KV heads [head_begin, head_end) (head_dim D,
+// contiguous in each token row) in the page at `column` of a row's block table, slot by slot, front to back.
+template <typename T, typename Visit>
+inline void ForEachLineOfPageHeads(const Shapes& s, const T* pages, const int32_t* table, int64_t column,
+                                   int64_t head_begin, int64_t head_end, int64_t D, Visit visit) {
+  const char* page = reinterpret_cast<const char*>(pages + PageAt(s, table, column) * s.page_size * s.row_width +
+                                                   2 * head_begin * D);
+  const int64_t bytes = 2 * (head_end - head_begin) * D * static_cast<int64_t>(sizeof(T));
+  for (int64_t slot = 0; slot < s.page_size; ++slot) {
+    for (int64_t byte = 0; byte < bytes; byte += 64) visit(page + slot * s.row_width * sizeof(T) + byte);
+  }
+}
+
+// Prefetches those rows into L2, while the page before them is worked on (AttendRun). (Into L1, a whole page of
 // three heads is 384 lines: at batch 8 and context 2048 that measured 10-15% slower.)
 template <typename T>
 inline void PrefetchPageHeads(const Shapes& s, const T* pages, const int32_t* table, int64_t column,
                               int64_t head_begin, int64_t head_end, int64_t D) {
-  const int64_t page_id = PageAt(s, table, column);
-  const char* next = reinterpret_cast<const char*>(pages + page_id * s.page_size * s.row_width + 2 * head_begin * D);
-  const int64_t bytes = 2 * (head_end - head_begin) * D * static_cast<int64_t>(sizeof(T));
-  for (int64_t slot = 0; slot < s.page_size; ++slot) {
-    for (int64_t byte = 0; byte < bytes; byte += 64) {
-      __builtin_prefetch(next + slot * s.row_width * sizeof(T) + byte, 0, 2);
-    }
-  }
+  ForEachLineOfPageHeads(s, pages, table, column, head_begin, head_end, D,
+                         [](const char* line) { __builtin_prefetch(line, 0, 2); });
 }
 
-// Reads the K and V rows of KV heads [head_begin, head_end) in the page at `column` of a row's block table front to
-// back, one load a cache line, before the page is worked on: for a run's first page, which nothing prefetched. The
-// lanes path's own order (one KV head's keys, then its values, at the row stride) keeps few misses in flight; a run
-// of independent loads in address order has them arrive together (the decode kernel alone over 30 layers' pools at
-// batch 32 and context 192: 6% faster).
+// Reads those rows front to back, one load a cache line, before the page is worked on: for a run's first page, which
+// nothing prefetched. The lanes path's own order (one KV head's keys, then its values, at the row stride) keeps few
+// misses in flight; a run of independent loads in address order has them arrive together (the decode kernel alone
+// over 30 layers' pools at batch 32 and context 192: 6% faster). Each line's first word is read; where head_dim is
+// not a multiple of 4, a row's last line might hold less than a word, and nothing is read (the lanes path's head_dims
+// are 32, 64 and 128).
 template <typename T>
 inline void ReadPageHeadsInOrder(const Shapes& s, const T* pages, const int32_t* table, int64_t column,
                                  int64_t head_begin, int64_t head_end, int64_t D) {
-  const char* page = reinterpret_cast<const char*>(pages + PageAt(s, table, column) * s.page_size * s.row_width +
-                                                   2 * head_begin * D);
-  const int64_t bytes = 2 * (head_end - head_begin) * D * static_cast<int64_t>(sizeof(T));
+  if (D % 4 != 0) return;
   uint64_t sink = 0;
-  for (int64_t slot = 0; slot < s.page_size; ++slot) {
-    for (int64_t byte = 0; byte < bytes; byte += 64) {
-      uint64_t word;
-      // bytes is at least a word: the lanes path's head_dims are 32, 64 and 128.
-      const int64_t at = std::min<int64_t>(byte, bytes - static_cast<int64_t>(sizeof(word)));
-      std::memcpy(&word, page + slot * s.row_width * sizeof(T) + at, sizeof(word));
-      sink |= word;
-    }
-  }
+  ForEachLineOfPageHeads(s, pages, table, column, head_begin, head_end, D, [&sink](const char* line) {
+    uint64_t word;
+    std::memcpy(&word, line, sizeof(word));
+    sink |= word;
+  });
   asm volatile("" : : "r"(sink));  // the loads stay: nothing else reads them
 }
 
