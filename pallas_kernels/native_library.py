@@ -41,6 +41,8 @@ HEADERS = tuple(
         "cpu_native_parallel.h",
         "cpu_native_register_tile.h",
         "cpu_native_vectors.h",
+        "cpu_panel_row_packing.h",
+        "cpu_panel_tiles.h",
         "cpu_paged_attention_lanes.h",
         "cpu_paged_attention_tiled.h",
     )

@@ -1,0 +1,147 @@
+// Part of the native CPU matmuls on panels (included inside their anonymous namespaces after cpu_native_vectors.h and
+// cpu_panel_tiles.h, never on its own): activation rows packed tile by tile for the register tiles, and rounded to
+// bf16 pairs for bf16 panels (cpu_panel_matmul.cc describes the layouts).
+
+#ifndef PAXKV_CPU_PANEL_ROW_PACKING_H_
+#define PAXKV_CPU_PANEL_ROW_PACKING_H_
+
+// Rows [0, rows) of `from` (rows from_stride apart), steps [k0, k1), into `to` laid out [K, rows] (step k's values
+// side by side at to + k * rows).
+void PackSteps(const float* from, int64_t from_stride, int64_t rows, int64_t k0, int64_t k1, float* to) {
+  for (int64_t k = k0; k < k1; ++k) {
+    for (int64_t r = 0; r < rows; ++r) to[k * rows + r] = from[r * from_stride + k];
+  }
+}
+
+// PackSteps for a full tile's steps [0, k_size), kLanes steps at a time as an in-register transpose: kRowBlock vectors
+// in, their lanes out step by step (one value at a time, the copy cost about 1% of a 32-row matmul more).
+void PackFullTile(const float* from, int64_t from_stride, int64_t k_size, float* to) {
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  static_assert(kRowBlock == 8 && kLanes == 16, "an AVX-512 tile is 8 rows of 16-lane vectors");
+  for (; k + kLanes <= k_size; k += kLanes) {
+    __m512 a[8], t[8], u[8];
+    for (int r = 0; r < 8; ++r) a[r] = _mm512_loadu_ps(from + r * from_stride + k);
+    for (int r = 0; r < 8; r += 2) {  // rows r, r + 1 interleaved within each 128-bit lane
+      t[r] = _mm512_unpacklo_ps(a[r], a[r + 1]);
+      t[r + 1] = _mm512_unpackhi_ps(a[r], a[r + 1]);
+    }
+    for (int half = 0; half < 2; ++half) {  // u[4 * half + m]: step 4L + m of rows 4 * half .. + 3, in lane L
+      u[4 * half + 0] = _mm512_shuffle_ps(t[4 * half], t[4 * half + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      u[4 * half + 1] = _mm512_shuffle_ps(t[4 * half], t[4 * half + 2], _MM_SHUFFLE(3, 2, 3, 2));
+      u[4 * half + 2] = _mm512_shuffle_ps(t[4 * half + 1], t[4 * half + 3], _MM_SHUFFLE(1, 0, 1, 0));
+      u[4 * half + 3] = _mm512_shuffle_ps(t[4 * half + 1], t[4 * half + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    // The upper 256 bits of v (AVX-512F alone: _mm512_extractf32x8_ps would need AVX-512DQ).
+    auto upper = [](__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); };
+    for (int m = 0; m < 4; ++m) {
+      // Lanes (L, L + 1) of rows 0-3 and of rows 4-7, reordered to [rows 0-3, rows 4-7] of step 4L + m, then of
+      // step 4(L + 1) + m.
+      const __m512 low = _mm512_shuffle_f32x4(u[m], u[4 + m], _MM_SHUFFLE(1, 0, 1, 0));
+      const __m512 high = _mm512_shuffle_f32x4(u[m], u[4 + m], _MM_SHUFFLE(3, 2, 3, 2));
+      const __m512 steps01 = _mm512_shuffle_f32x4(low, low, _MM_SHUFFLE(3, 1, 2, 0));
+      const __m512 steps23 = _mm512_shuffle_f32x4(high, high, _MM_SHUFFLE(3, 1, 2, 0));
+      _mm256_storeu_ps(to + (k + m) * 8, _mm512_castps512_ps256(steps01));
+      _mm256_storeu_ps(to + (k + 4 + m) * 8, upper(steps01));
+      _mm256_storeu_ps(to + (k + 8 + m) * 8, _mm512_castps512_ps256(steps23));
+      _mm256_storeu_ps(to + (k + 12 + m) * 8, upper(steps23));
+    }
+  }
+#elif defined(__AVX2__)
+  static_assert(kRowBlock == 4 && kLanes == 8, "an AVX2 tile is 4 rows of 8-lane vectors");
+  for (; k + kLanes <= k_size; k += kLanes) {
+    __m256 a[4];
+    for (int r = 0; r < 4; ++r) a[r] = _mm256_loadu_ps(from + r * from_stride + k);
+    const __m256 t0 = _mm256_unpacklo_ps(a[0], a[1]), t1 = _mm256_unpackhi_ps(a[0], a[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(a[2], a[3]), t3 = _mm256_unpackhi_ps(a[2], a[3]);
+    const __m256 u[4] = {_mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2)),
+                         _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2))};
+    for (int m = 0; m < 4; ++m) {  // u[m]'s 128-bit lane L: step 4L + m of the 4 rows
+      _mm_storeu_ps(to + (k + m) * 4, _mm256_castps256_ps128(u[m]));
+      _mm_storeu_ps(to + (k + 4 + m) * 4, _mm256_extractf128_ps(u[m], 1));
+    }
+  }
+#endif
+  PackSteps(from, from_stride, kRowBlock, k, k_size, to);
+}
+
+// Buffers for packed x, kept from call to call: as many as calls ever ran at once (XLA may run independent matmuls side
+// by side), each as large as the largest x it held (a 2048-token prefill's 2048 x 1536 floats, 12.6 MB). One per
+// calling thread instead held 40-75 MB more at peak (a generate's warm-up runs every step shape).
+class PackedBuffers {
+ public:
+  std::vector<float> Take(int64_t size) {
+    std::vector<float> buffer;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!free_.empty()) {
+        buffer = std::move(free_.back());
+        free_.pop_back();
+      }
+    }
+    if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+    return buffer;
+  }
+  void Give(std::vector<float> buffer) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_.push_back(std::move(buffer));
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::vector<float>> free_;
+};
+PackedBuffers packed_buffers;
+
+// x[T, K]'s rows packed tile by tile into `packed` for the tiles' AccumulateTile: the tile of rows [t0, t0 + h) (h =
+// tile_rows, or the rows left at the end) at + t0 * K, laid out [K, h], each step's h values side by side. One row is
+// its own packing. The copy is T x K floats (a few microseconds at a decode batch's 32 rows, beside 30-300 of
+// multiply-adds).
+const float* PackRowTiles(ffi::ThreadPool& pool, const float* x, int64_t t_size, int64_t k_size, int64_t tile_rows,
+                          std::vector<float>& packed) {
+  if (t_size == 1) return x;
+  packed = packed_buffers.Take(t_size * k_size);
+  float* to = packed.data();
+  auto pack = [&](int64_t tile) {
+    const int64_t t0 = tile * tile_rows, rows = std::min(tile_rows, t_size - t0);
+    if (rows == kRowBlock) return PackFullTile(x + t0 * k_size, k_size, k_size, to + t0 * k_size);
+    PackSteps(x + t0 * k_size, k_size, rows, 0, k_size, to + t0 * k_size);
+  };
+  const int64_t tiles = (t_size + tile_rows - 1) / tile_rows;
+  if (t_size <= kFewRows) {
+    for (int64_t tile = 0; tile < tiles; ++tile) pack(tile);
+  } else {
+    ParallelFor(pool, tiles, pack);
+  }
+  return to;
+}
+
+// x[T, K] rounded to bf16, each row padded with a zero to whole pairs: [T, ceil(K / 2)] Bf16Pairs (contraction rows
+// 2k and 2k + 1 of a row in pair k), viewed as floats for PackRowTiles, which only moves them. Rows split over the
+// pool when there are many.
+const float* ToBf16Pairs(ffi::ThreadPool& pool, const float* x, int64_t t_size, int64_t k_size,
+                         std::vector<float>& pairs) {
+  const int64_t pair_steps = (k_size + 1) / 2;
+  pairs = packed_buffers.Take(t_size * pair_steps);
+  uint16_t* to = reinterpret_cast<uint16_t*>(pairs.data());
+  auto row = [&](int64_t t) {
+    const float* from = x + t * k_size;
+    uint16_t* row_to = to + t * 2 * pair_steps;
+    RoundToBf16s(from, k_size, row_to);
+    if (k_size % 2) row_to[k_size] = 0;
+  };
+  constexpr int64_t kRowsPerItem = 64;
+  auto rows = [&](int64_t item) {
+    for (int64_t t = item * kRowsPerItem; t < std::min(t_size, (item + 1) * kRowsPerItem); ++t) row(t);
+  };
+  if (t_size <= kRowsPerItem) {
+    rows(0);
+  } else {
+    ParallelFor(pool, (t_size + kRowsPerItem - 1) / kRowsPerItem, rows);
+  }
+  return pairs.data();
+}
+
+#endif  // PAXKV_CPU_PANEL_ROW_PACKING_H_
