@@ -2,6 +2,7 @@
 
 from pallas_kernels.cpu_amx_matmul import MAX_AMX_ROWS, MIN_AMX_ROWS, amx_matmul_cpu, amx_matmul_reads
 from pallas_kernels.cpu_blocked_matmul import MIN_BLOCKED_ROWS, blocked_matmul_cpu, blocked_matmul_reads
+from pallas_kernels.cpu_gated_mlp import gated_mlp_cpu, gated_mlp_reference
 from pallas_kernels.cpu_greedy_token import first_argmax, greedy_tokens_cpu, greedy_tokens_reference
 from pallas_kernels.cpu_panel_matmul import (
     INT8_GROUP_ROWS,
@@ -55,6 +56,8 @@ from pallas_kernels.reference import ragged_paged_attention_reference
 __all__ = [
     "bf16_panels_pay",
     "first_argmax",
+    "gated_mlp_cpu",
+    "gated_mlp_reference",
     "greedy_tokens_cpu",
     "greedy_tokens_reference",
     "INT8_GROUP_ROWS",

@@ -29,6 +29,7 @@ SOURCES = tuple(
         "cpu_blocked_matmul.cc",
         "cpu_amx_matmul.cc",
         "cpu_panel_matmul.cc",
+        "cpu_gated_mlp.cc",
         "cpu_greedy_token.cc",
         "cpu_kv_write.cc",
     )
@@ -69,6 +70,10 @@ PANEL_MATMUL_TARGETS = {
     jnp.dtype(jnp.float32): ("paxkv_cpu_panel_matmul_f32", "PaxkvCpuPanelMatmulF32"),
     jnp.dtype(jnp.int8): ("paxkv_cpu_panel_matmul_int8", "PaxkvCpuPanelMatmulInt8"),  # with group scales
     jnp.dtype(jnp.bfloat16): ("paxkv_cpu_panel_matmul_bf16", "PaxkvCpuPanelMatmulBf16"),  # contraction rows in pairs
+}
+GATED_MLP_TARGETS = {
+    jnp.dtype(jnp.float32): ("paxkv_cpu_gated_mlp_f32", "PaxkvCpuGatedMlpF32"),
+    jnp.dtype(jnp.bfloat16): ("paxkv_cpu_gated_mlp_bf16", "PaxkvCpuGatedMlpBf16"),
 }
 
 
@@ -163,6 +168,7 @@ def load() -> str | None:
                 *BLOCKED_MATMUL_TARGETS.values(),
                 *AMX_MATMUL_TARGETS.values(),
                 *PANEL_MATMUL_TARGETS.values(),
+                *GATED_MLP_TARGETS.values(),
                 GREEDY_TOKEN_TARGET,
                 KV_WRITE_TARGET,
             )
