@@ -10,7 +10,7 @@
 // down projection then runs as the panel matmul does.
 //
 // Numerics: gate's and up's sums, and the down projection's, are the panel matmul's bit for bit (the same tiles, blocks
-// and order). silu is g / (1 + e^-g) from cpu_native_vectors.h's Exp (a degree-7 polynomial), not XLA's logistic, so
+// and order). silu is g * sigmoid(g) from e^-|g| by cpu_native_vectors.h's Exp (a degree-7 polynomial), not XLA's, so
 // an element of h may differ from the unfused path's in its last bit (in bf16, rarely, its last bf16 bit). Each
 // output row depends on its own input row alone, whatever the batch (batch invariance).
 
@@ -126,7 +126,7 @@ void GatedMlp(ffi::ThreadPool& pool, const float* x, int64_t t_size, int64_t k_s
 }
 
 // Checks the weights' shapes against x[T, K] and the MLP's width F: gate and up [ceil(F / 48), steps(K), 48, pair...],
-// down [Pd, steps(F), 48, pair...], where steps(n) is n (f32) or ceil(n / 2) (bf16 pairs, `pair_dims` 1 more).
+// down [Pd, steps(F), 48, pair...], where steps(n) is n (f32) or ceil(n / 2) (bf16 pairs, with a last axis of 2).
 ffi::Error CheckGatedShapes(ffi::Span<const int64_t> x_dims, ffi::Span<const int64_t> gate_dims,
                             ffi::Span<const int64_t> up_dims, ffi::Span<const int64_t> down_dims, int64_t mlp_width,
                             bool pairs) {
@@ -143,7 +143,8 @@ ffi::Error CheckGatedShapes(ffi::Span<const int64_t> x_dims, ffi::Span<const int
   if (!std::equal(gate_dims.begin(), gate_dims.end(), up_dims.begin()) || gate_dims[1] != steps(x_dims[1])) {
     return ffi::Error::InvalidArgument("gate and up must be panels of the same shape over x's contraction dimension");
   }
-  if (mlp_width < 1 || gate_dims[0] != (mlp_width + kPanelWidth - 1) / kPanelWidth || down_dims[1] != steps(mlp_width)) {
+  const int64_t mlp_panels = (mlp_width + kPanelWidth - 1) / kPanelWidth;
+  if (mlp_width < 1 || gate_dims[0] != mlp_panels || down_dims[1] != steps(mlp_width)) {
     return ffi::Error::InvalidArgument("gate's panels and down's contraction dimension do not match mlp_width");
   }
   return ffi::Error::Success();

@@ -6,9 +6,9 @@ to memory and back, and silu(gate) * up goes to memory, back, and into a rounded
 projection. The native call keeps gate's and up's products for a chunk of rows and one panel in the first-level cache
 and writes silu(gate) * up straight into the down projection's packed input.
 
-Numerics: the three products are panel_matmul_cpu's bit for bit; silu is the kernel's own (g / (1 + e^-g)), within an
-f32 rounding or two of XLA's. With bf16 panels, h = silu(gate) * up is rounded to bf16 before the down projection, as
-panel_matmul_cpu rounds any x. Each output row depends on its input row alone.
+Numerics: the three products are panel_matmul_cpu's bit for bit; silu is the kernel's own (g * sigmoid(g), from
+e^-|g|), within an f32 rounding or two of XLA's. With bf16 panels, h = silu(gate) * up is rounded to bf16 before the
+down projection, as panel_matmul_cpu rounds any x. Each output row depends on its input row alone.
 """
 
 import jax
