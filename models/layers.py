@@ -177,13 +177,11 @@ class GatedMLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, D]
         native = self.native_matmul
-        weights = (self.gate[...], self.up[...], self.down[...])
-        if native and _fuses_gated_mlp(x, weights):
-            gate, up, down = weights
+        gate, up, down = self.gate[...], self.up[...], self.down[...]
+        if native and _fuses_gated_mlp(x, (gate, up, down)):
             return gated_mlp_cpu(x, gate.panels, up.panels, down.panels, gate.columns, down.columns)
-        gate = project("TD,DF->TF", x, self.gate[...], native=native)
-        up = project("TD,DF->TF", x, self.up[...], native=native)
-        return project("TF,FD->TD", jax.nn.silu(gate) * up, self.down[...], native=native)
+        gated = jax.nn.silu(project("TD,DF->TF", x, gate, native=native)) * project("TD,DF->TF", x, up, native=native)
+        return project("TF,FD->TD", gated, down, native=native)
 
 
 class PagedAttention(nnx.Module):
