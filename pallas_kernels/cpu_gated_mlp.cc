@@ -105,6 +105,7 @@ void GatedMlp(ffi::ThreadPool& pool, const float* x, int64_t t_size, int64_t k_s
     split.ItemBounds(i, p_begin, p_end, t_begin, t_end);
     const Weight* gate_end = gate.panels + p_end * k_size * kPanelWidth;
     const Weight* up_end = up.panels + p_end * k_size * kPanelWidth;
+    static_assert(kRowChunk <= kFewRows, "a chunk of rows (split.row_chunk) fits the blocks below");
     alignas(64) float g[kFewRows * kPanelWidth], u[kFewRows * kPanelWidth];  // a chunk's sums, rows kPanelWidth apart
     for (int64_t t0 = t_begin; t0 < t_end; t0 += split.row_chunk) {
       const int64_t rows = std::min(split.row_chunk, t_end - t0);
