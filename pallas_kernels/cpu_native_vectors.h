@@ -46,6 +46,19 @@ inline IntVec LoadIntVec(const int32_t* p) {
   return v;
 }
 
+// base[offsets[j]] in lane j.
+inline Vec Gather(const float* base, IntVec offsets) {
+#if defined(__AVX512F__)
+  return (Vec)_mm512_i32gather_ps((__m512i)offsets, base, 4);
+#elif defined(__AVX2__)
+  return (Vec)_mm256_i32gather_ps(base, (__m256i)offsets, 4);
+#else
+  Vec v;
+  for (int64_t j = 0; j < kLanes; ++j) v[j] = base[offsets[j]];
+  return v;
+#endif
+}
+
 // One value as f32 (bf16 bits: the high half of an f32).
 inline float LoadValue(const float* p) { return *p; }
 inline float LoadValue(const uint16_t* p) {
@@ -160,7 +173,15 @@ inline uint16_t RoundToBf16(float value) {
 typedef uint32_t PairBits __attribute__((vector_size(kLanes * 4)));
 
 // Two lanes-long f32 vectors rounded to bf16 (nearest even; finite inputs) and paired: low's in each lane's low half.
+// With AVX-512 BF16 by VCVTNE2PS2BF16 (the halves side by side) and a word permute: the same bits, but that denormal
+// inputs become zeros, which DotPairs's VDPBF16PS, the pairs' only reader, takes them as anyway.
 inline Vec PackPairs(Vec low, Vec high) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh((__m512)high, (__m512)low);  // [low's 16 | high's 16]
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return (Vec)_mm512_castsi512_ps(_mm512_permutexvar_epi16(interleave, halves));
+#else
   PairBits low_bits, high_bits;
   __builtin_memcpy(&low_bits, &low, sizeof(low));
   __builtin_memcpy(&high_bits, &high, sizeof(high));
@@ -170,6 +191,7 @@ inline Vec PackPairs(Vec low, Vec high) {
   Vec out;
   __builtin_memcpy(&out, &pairs, sizeof(out));
   return out;
+#endif
 }
 
 // The 32 bits at p (a pair, as stored) in every lane, moved without arithmetic.

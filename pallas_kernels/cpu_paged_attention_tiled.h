@@ -7,6 +7,10 @@
 // Runs of at least this many tokens take the tiled path; runs are cut every kMaxTiledRunTokens tokens there.
 constexpr int64_t kMinTiledRunTokens = 8;
 constexpr int64_t kMaxTiledRunTokens = 64;
+// Key positions a band takes per softmax step (whole pages, at least one): each step rescales the band's outputs once
+// and runs the value tiles over all its slots. (Per page, 16 slots, a 2048-token prompt's attention took 18.2 ms a
+// SmolLM2 layer in bf16 against 17.0 with 64; 128 gained 1% more and overflows the first-level cache.)
+constexpr int64_t kBlockSlots = 64;
 
 // The score tile: kScoreTileSlots keys by kScoreVecs vectors of query rows, sized to the register file: with AVX-512
 // (32 registers of 16 lanes) 8 x 3 = 24 accumulators, with AVX2 (16 registers of 8 lanes) 6 x 2 = 12, chains enough
@@ -24,13 +28,13 @@ constexpr int64_t kScoreVecs = 2;
 // One work item's buffers, kept per thread: rows across lanes, `width` lanes per row of each. A bf16 pool's run keeps
 // its queries in q_t and its softmax weights in weight_pairs as bf16 pairs (see below), the bits in f32 slots.
 struct TiledScratch {
-  std::vector<float> q_t, out, weights, weight_pairs, running_max, running_sum, rescale;
+  std::vector<float> q_t, out, weights, weight_pairs, block_values, running_max, running_sum, rescale;
   std::vector<int32_t> starts, ends;
 };
 
 // A bf16 pool's tiles multiply bf16 pairs (DotPairs: VDPBF16PS on AVX-512 BF16): the queries are rounded to bf16
-// once per run, as pairs of adjacent head dims, and each page's softmax weights are rounded to bf16 as pairs of
-// adjacent slots (PackPairs, InterleaveRows). Products are exact and every sum is f32, as in a bf16 MXU or
+// once per run, as pairs of adjacent head dims, and each block's softmax weights are rounded to bf16 as pairs of
+// adjacent slots (PackPairs; the values are interleaved to match once per block and band, InterleaveRows). Products are exact and every sum is f32, as in a bf16 MXU or
 // tensor-core matmul; the rounding is the only change from f32 arithmetic on the same stored keys and values, and
 // halves the multiply-adds.
 
@@ -88,35 +92,27 @@ constexpr int64_t kValueVecs = 2;
 constexpr int64_t kBandLanes = 48;
 static_assert(kBandLanes % (kScoreVecs * kLanes) == 0 && kBandLanes % kValueRows == 0, "a band is whole tiles");
 
-// out[r0 + i][d0 : d0 + kVecs * kLanes] = out[...] * rescale[r0 + i] + sum over slots [lo, hi) of
-// weights[slot][r0 + i] * value[slot][d0 : ...] for i < kRows (the online softmax's rescale folded in).
-template <int64_t kRows, int64_t kVecs, typename T>
-inline void ValueTile(const float* weights, const T* values, int64_t row_width, int64_t D, int64_t width, int64_t lo,
-                      int64_t hi, const float* rescale, int64_t r0, int64_t d0, float* out) {
+// out[r0 + i][d0 : d0 + kVecs * kLanes] = out[...] * rescale[r0 + i] + sum over steps t of weights[t][r0 + i] *
+// values[t][d0 : ...] for i < kRows (the online softmax's rescale folded in). A step is a slot, or with kPairs a pair
+// of slots: values[t] then holds [D] bf16 pairs and weights[t] the two slots' weights as a pair.
+template <int64_t kRows, int64_t kVecs, bool kPairs>
+inline void ValueTile(const float* weights, const float* values, int64_t D, int64_t width, int64_t steps,
+                      const float* rescale, int64_t r0, int64_t d0, float* out) {
   Vec acc[kRows][kVecs];
   for (int64_t i = 0; i < kRows; ++i) {
     const Vec factor = Splat(rescale[r0 + i]);
     for (int64_t c = 0; c < kVecs; ++c) acc[i][c] = LoadVec(out + (r0 + i) * D + d0 + c * kLanes) * factor;
   }
-  if constexpr (std::is_same_v<T, uint16_t>) {  // weights: [(hi - lo + 1) / 2][width] pairs of slots
-    for (int64_t slot = lo; slot < hi; slot += 2) {
-      const uint16_t* first = values + slot * row_width + d0;
-      Vec value[kVecs];  // an odd last slot pairs with itself, under a weight of zero
-      InterleaveRows<kVecs>(first, slot + 1 < hi ? first + row_width : first, value);
-      const float* weight = weights + (slot - lo) / 2 * width + r0;
+  for (int64_t t = 0; t < steps; ++t) {
+    Vec value[kVecs];
+    for (int64_t c = 0; c < kVecs; ++c) value[c] = LoadVec(values + t * D + d0 + c * kLanes);
+    const float* weight = weights + t * width + r0;
 #pragma GCC unroll 6
-      for (int64_t i = 0; i < kRows; ++i) {
+    for (int64_t i = 0; i < kRows; ++i) {
+      if constexpr (kPairs) {
         const Vec w = SplatBits(weight + i);
         for (int64_t c = 0; c < kVecs; ++c) acc[i][c] = DotPairs(acc[i][c], w, value[c]);
-      }
-    }
-  } else {
-    for (int64_t slot = lo; slot < hi; ++slot) {
-      Vec value[kVecs];
-      for (int64_t c = 0; c < kVecs; ++c) value[c] = LoadValues(values + slot * row_width + d0 + c * kLanes);
-      const float* weight = weights + slot * width + r0;
-#pragma GCC unroll 6
-      for (int64_t i = 0; i < kRows; ++i) {
+      } else {
         const Vec w = Splat(weight[i]);
         for (int64_t c = 0; c < kVecs; ++c) acc[i][c] += w * value[c];
       }
@@ -128,43 +124,37 @@ inline void ValueTile(const float* weights, const T* values, int64_t row_width, 
 }
 
 // ValueTile for the `rows` (< kValueRows) rows left after the full tiles, in one tile of that height.
-template <int64_t kRows, int64_t kVecs, typename T>
-inline void ValueRestTile(int64_t rows, const float* weights, const T* values, int64_t row_width, int64_t D,
-                          int64_t width, int64_t lo, int64_t hi, const float* rescale, int64_t r0, int64_t d0,
-                          float* out) {
+template <int64_t kRows, int64_t kVecs, bool kPairs>
+inline void ValueRestTile(int64_t rows, const float* weights, const float* values, int64_t D, int64_t width,
+                          int64_t steps, const float* rescale, int64_t r0, int64_t d0, float* out) {
   if constexpr (kRows > 0) {
-    if (rows == kRows) {
-      return ValueTile<kRows, kVecs>(weights, values, row_width, D, width, lo, hi, rescale, r0, d0, out);
-    }
-    ValueRestTile<kRows - 1, kVecs>(rows, weights, values, row_width, D, width, lo, hi, rescale, r0, d0, out);
+    if (rows == kRows) return ValueTile<kRows, kVecs, kPairs>(weights, values, D, width, steps, rescale, r0, d0, out);
+    ValueRestTile<kRows - 1, kVecs, kPairs>(rows, weights, values, D, width, steps, rescale, r0, d0, out);
   }
 }
 
-// out[row][d] = out[row][d] * rescale[row] + sum over slots [lo, hi) of weights[slot][row] * value[slot][d], for
-// rows [first_row, end_row), d in one band of kVecs vectors from d0.
-template <int64_t kVecs, typename T>
-void AccumulateValueVecs(const float* weights, const T* values, int64_t row_width, int64_t D, int64_t width,
-                         int64_t first_row, int64_t end_row, int64_t lo, int64_t hi, const float* rescale, int64_t d0,
-                         float* out) {
+// out[row][d] = out[row][d] * rescale[row] + sum over steps t of weights[t][row] * values[t][d], for rows
+// [first_row, end_row), d in one band of kVecs vectors from d0.
+template <int64_t kVecs, bool kPairs>
+void AccumulateValueVecs(const float* weights, const float* values, int64_t D, int64_t width, int64_t first_row,
+                         int64_t end_row, int64_t steps, const float* rescale, int64_t d0, float* out) {
   int64_t r0 = first_row;
   for (; r0 + kValueRows <= end_row; r0 += kValueRows) {
-    ValueTile<kValueRows, kVecs>(weights, values, row_width, D, width, lo, hi, rescale, r0, d0, out);
+    ValueTile<kValueRows, kVecs, kPairs>(weights, values, D, width, steps, rescale, r0, d0, out);
   }
-  ValueRestTile<kValueRows - 1, kVecs>(end_row - r0, weights, values, row_width, D, width, lo, hi, rescale, r0, d0,
-                                       out);
+  ValueRestTile<kValueRows - 1, kVecs, kPairs>(end_row - r0, weights, values, D, width, steps, rescale, r0, d0, out);
 }
 
 // AccumulateValueVecs over every d (D a multiple of kLanes).
-template <typename T>
-void AccumulateValues(const float* weights, const T* values, int64_t row_width, int64_t D, int64_t width,
-                      int64_t first_row, int64_t end_row, int64_t lo, int64_t hi, const float* rescale, float* out) {
+template <bool kPairs>
+void AccumulateValues(const float* weights, const float* values, int64_t D, int64_t width, int64_t first_row,
+                      int64_t end_row, int64_t steps, const float* rescale, float* out) {
   int64_t d0 = 0;
   for (; d0 + kValueVecs * kLanes <= D; d0 += kValueVecs * kLanes) {
-    AccumulateValueVecs<kValueVecs>(weights, values, row_width, D, width, first_row, end_row, lo, hi, rescale, d0,
-                                    out);
+    AccumulateValueVecs<kValueVecs, kPairs>(weights, values, D, width, first_row, end_row, steps, rescale, d0, out);
   }
   for (; d0 < D; d0 += kLanes) {  // the vectors left, one at a time
-    AccumulateValueVecs<1>(weights, values, row_width, D, width, first_row, end_row, lo, hi, rescale, d0, out);
+    AccumulateValueVecs<1, kPairs>(weights, values, D, width, first_row, end_row, steps, rescale, d0, out);
   }
 }
 
@@ -179,38 +169,51 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
   const int64_t G = s.group, D = s.head_dim, P = s.page_size, num_rows = count * G;
   const int64_t tile_rows = kScoreVecs * kLanes, width = (num_rows + tile_rows - 1) / tile_rows * tile_rows;
   thread_local TiledScratch scratch;
-  scratch.q_t.assign(D * width, 0.0f);
+  scratch.q_t.resize(D * width);
   scratch.out.assign(width * D, 0.0f);
-  scratch.weights.resize(P * width);
-  if constexpr (kPairs) scratch.weight_pairs.resize((P + 1) / 2 * width);
+  // Whole pages, an even number of positions (bf16 pairs of slots start at even positions).
+  const int64_t block_pages = std::max<int64_t>(1, kBlockSlots / P);
+  const int64_t block_slots = (block_pages + block_pages * P % 2) * P;
+  scratch.weights.resize(block_slots * width);
+  if constexpr (kPairs) scratch.weight_pairs.resize((block_slots + 1) / 2 * width);
+  scratch.block_values.resize(block_slots * D);
   scratch.running_max.assign(width, kMaskValue);
   scratch.running_sum.assign(width, 0.0f);
   scratch.rescale.resize(width);
   scratch.starts.assign(width, 0);  // lanes past the run's rows, and empty tokens, see nothing
   scratch.ends.assign(width, 0);
+  // Lane i * G + g's query row, as an offset from token first_token's first head of kv_head (padding lanes: row 0,
+  // then zeros).
+  thread_local std::vector<int32_t> row_offsets;
+  row_offsets.assign(width, 0);
   for (int64_t i = 0; i < count; ++i) {
     const TokenRange range = VisibleRange(positions[first_token + i], kv_lens[first_token + i], sliding_window);
-    const float* q_heads = q + ((first_token + i) * s.num_q_heads + kv_head * G) * D;  // [G, D]
     for (int64_t g = 0; g < G; ++g) {
       const int64_t lane = i * G + g;
       scratch.starts[lane] = static_cast<int32_t>(range.start);
       scratch.ends[lane] = static_cast<int32_t>(range.end);
-      for (int64_t d = 0; d < D; ++d) scratch.q_t[d * width + lane] = q_heads[g * D + d];
+      row_offsets[lane] = static_cast<int32_t>(i * s.num_q_heads * D + g * D);
     }
   }
-  if constexpr (kPairs) {  // [D, width] f32 to [D / 2, width] pairs, in place (row k is written after rows 2k, 2k + 1)
-    for (int64_t k = 0; k < D / 2; ++k) {
-      for (int64_t v = 0; v < width; v += kLanes) {
-        const Vec low = LoadVec(&scratch.q_t[2 * k * width + v]), high = LoadVec(&scratch.q_t[(2 * k + 1) * width + v]);
-        StoreVec(&scratch.q_t[k * width + v], PackPairs(low, high));
-      }
+  // q_t[d][lane] = the lane's q[d]; a bf16 pool's as [D / 2][width] pairs (dims 2k low, 2k + 1 high).
+  const float* q_base = q + (first_token * s.num_q_heads + kv_head * G) * D;
+  IntVec lane_index;
+  for (int64_t j = 0; j < kLanes; ++j) lane_index[j] = static_cast<int32_t>(j);
+  for (int64_t v = 0; v < width; v += kLanes) {
+    const IntVec offsets = LoadIntVec(row_offsets.data() + v);
+    const IntVec live = (lane_index + static_cast<int32_t>(v)) < static_cast<int32_t>(num_rows);
+    auto dim = [&](int64_t d) { return live ? Gather(q_base, offsets + static_cast<int32_t>(d)) : Splat(0.0f); };
+    if constexpr (kPairs) {
+      for (int64_t k = 0; k < D / 2; ++k) StoreVec(&scratch.q_t[k * width + v], PackPairs(dim(2 * k), dim(2 * k + 1)));
+    } else {
+      for (int64_t d = 0; d < D; ++d) StoreVec(&scratch.q_t[d * width + v], dim(d));
     }
   }
   const int32_t* table = RowTable(s, block_tables, row);
   float* weights = scratch.weights.data();
   float* weight_pairs = scratch.weight_pairs.data();  // empty but for a bf16 pool
-  // The run's lanes a band at a time, each band over every page it sees: a band's queries, sums and weights stay in
-  // the first-level cache across the pages (all 192 lanes of a 64-token run at once had 108 KiB of them per page).
+  // The run's lanes a band at a time, each band over every block of pages it sees: a band's queries, sums and weights
+  // stay in the cache across the blocks (all 192 lanes of a 64-token run at once had 108 KiB of them per page).
   for (int64_t band = 0; band < width; band += kBandLanes) {
     const int64_t band_end = std::min(width, band + kBandLanes);
     int64_t run_start = std::numeric_limits<int64_t>::max(), run_end = 0;
@@ -224,15 +227,26 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
         earliest_end = std::min(earliest_end, end);
       }
     }
-    for (int64_t first = run_start - run_start % P; first < run_end; first += P) {
-      const int64_t page_id = PageAt(s, table, first / P);
-      const T* page = pages + page_id * P * s.row_width;
-      // Slots some lane of the band sees: all lie inside the sequence, so they hold written, finite K and V.
-      const int64_t lo = std::max(first, run_start) - first, hi = std::min(first + P, run_end) - first;
+    // Blocks of block_slots positions, aligned to multiples of it whatever the band, so each lane's arithmetic is
+    // the same in any run: slots outside [run_start, run_end) are seen by no lane of the band and are skipped.
+    for (int64_t first = run_start - run_start % block_slots; first < run_end; first += block_slots) {
+      const T* page_of_block[kBlockSlots];  // the block's pages, from the one holding `first`
+      for (int64_t page = 0; page < block_slots / P; ++page) {
+        page_of_block[page] = first + page * P < run_end ? pages + PageAt(s, table, first / P + page) * P * s.row_width
+                                                         : nullptr;
+      }
+      // Slots some lane of the band sees, from an even position: all lie inside the sequence, so they hold written,
+      // finite K and V. (Pairs of slots start at even positions whatever the band's first one: with a window a
+      // lane's pairs would otherwise depend on the other lanes of its band.)
+      const int64_t lo = (std::max(first, run_start) - first) & ~int64_t{1};
+      const int64_t hi = std::min(first + block_slots, run_end) - first;
       // Lanes that see nothing, and padding lanes, compute on these finite values and are dropped at the end.
       const bool masked = latest_start > first + lo || earliest_end < first + hi;
-      ScoreSlots(scratch.q_t.data() + band, page + 2 * kv_head * D, s.row_width, D, width, band_end - band, lo, hi,
-                 weights + band);
+      for (int64_t page = lo / P; page * P < hi; ++page) {
+        const int64_t page_lo = std::max(lo, page * P) - page * P, page_hi = std::min(hi, (page + 1) * P) - page * P;
+        ScoreSlots(scratch.q_t.data() + band, page_of_block[page] + 2 * kv_head * D, s.row_width, D, width,
+                   band_end - band, page_lo, page_hi, weights + page * P * width + band);
+      }
       for (int64_t v = band; v < band_end; v += kLanes) {
         const IntVec starts = LoadIntVec(scratch.starts.data() + v), ends = LoadIntVec(scratch.ends.data() + v);
         const Vec old_max = LoadVec(scratch.running_max.data() + v);
@@ -272,9 +286,36 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
         StoreVec(scratch.running_sum.data() + v, sum);
         StoreVec(scratch.rescale.data() + v, rescale);
       }
-      const float* value_weights = kPairs ? weight_pairs : weights;
-      AccumulateValues(value_weights, page + (2 * kv_head + 1) * D, s.row_width, D, width, band, band_end, lo, hi,
-                       scratch.rescale.data(), scratch.out.data());
+      // The block's values, [hi - lo][D] (or [(hi - lo + 1) / 2][D] bf16 pairs), from its pages' rows.
+      auto value_row = [&](int64_t slot) {
+        return page_of_block[slot / P] + (slot % P) * s.row_width + (2 * kv_head + 1) * D;
+      };
+      float* values = scratch.block_values.data();
+      if constexpr (kPairs) {
+        for (int64_t slot = lo; slot < hi; slot += 2) {  // an odd last slot pairs with itself, under a weight of zero
+          const T* first_row = value_row(slot);
+          const T* second_row = slot + 1 < hi ? value_row(slot + 1) : first_row;
+          float* pair_row = values + (slot - lo) / 2 * D;
+          int64_t c = 0;
+          for (; c + 2 <= D / kLanes; c += 2) {
+            Vec two[2];
+            InterleaveRows<2>(first_row + c * kLanes, second_row + c * kLanes, two);
+            StoreVec(pair_row + c * kLanes, two[0]);
+            StoreVec(pair_row + (c + 1) * kLanes, two[1]);
+          }
+          for (; c < D / kLanes; ++c) {
+            Vec one[1];
+            InterleaveRows<1>(first_row + c * kLanes, second_row + c * kLanes, one);
+            StoreVec(pair_row + c * kLanes, one[0]);
+          }
+        }
+        AccumulateValues<true>(weight_pairs, values, D, width, band, band_end, (hi - lo + 1) / 2,
+                               scratch.rescale.data(), scratch.out.data());
+      } else {
+        for (int64_t slot = lo; slot < hi; ++slot) std::copy_n(value_row(slot), D, values + (slot - lo) * D);
+        AccumulateValues<false>(weights + lo * width, values, D, width, band, band_end, hi - lo,
+                                scratch.rescale.data(), scratch.out.data());
+      }
     }
   }
   for (int64_t i = 0; i < count; ++i) {
@@ -285,8 +326,10 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
         std::fill(out_heads + g * D, out_heads + (g + 1) * D, 0.0f);
         continue;
       }
-      const float inverse = 1.0f / std::max(scratch.running_sum[lane], 1e-30f);
-      for (int64_t d = 0; d < D; ++d) out_heads[g * D + d] = scratch.out[lane * D + d] * inverse;
+      const Vec inverse = Splat(1.0f / std::max(scratch.running_sum[lane], 1e-30f));
+      for (int64_t d = 0; d < D; d += kLanes) {
+        StoreVec(out_heads + g * D + d, LoadVec(&scratch.out[lane * D + d]) * inverse);
+      }
     }
   }
 }

@@ -239,6 +239,37 @@ def test_bf16_pool_differs_only_by_the_weights_rounding(page_size, head_dim, gro
         assert np.abs(out[:live] - ref[:live]).max() > 1e-4 * largest_value  # rounded weights, not f32 noise
 
 
+@pytest.mark.parametrize("kv_dtype,page_size", [("float32", 16), ("bfloat16", 16), ("bfloat16", 4)])
+@pytest.mark.parametrize("sliding_window", [None, 50])
+def test_a_prompt_token_gets_the_same_bits_in_any_chunk(kv_dtype, page_size, sliding_window):
+    """The tiled path's softmax steps over key blocks aligned to the position, not to where a chunk starts, so a
+    token's output is the same bits whether its prompt came in one chunk or in chunks cut elsewhere (batch
+    invariance): row 0 takes 300 tokens at once, row 1 the last 256 of the same prompt over the same pages, and a
+    third row the last 100 at another offset in the batch. (Every run is 8 tokens or more: shorter ones take the
+    short-run path, whose arithmetic differs.)"""
+    case = make_case(
+        7,
+        kv_lens=[300, 300, 300],
+        q_lens=[300, 256, 100],
+        page_size=page_size,
+        num_kv_heads=2,
+        group=3,
+        head_dim=64,
+        kv_dtype=kv_dtype,
+    )
+    tables = np.asarray(case.metadata.block_tables).copy()
+    tables[1:] = tables[0]  # one prompt's pages for every row
+    q = np.asarray(case.q).copy()
+    q[300:556] = q[44:300]
+    q[556:] = q[200:300]
+    case.metadata = dataclasses.replace(case.metadata, block_tables=jnp.asarray(tables))
+    options = dict(sm_scale=case.sm_scale, sliding_window=sliding_window, kv_read="auto")
+    out = np.asarray(native.ragged_paged_attention_cpu(jnp.asarray(q), case.kv_pages, case.metadata, **options))
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(out[300:556], out[44:300])
+    np.testing.assert_array_equal(out[556:], out[200:300])
+
+
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
 def test_padding_in_the_last_row_changes_no_output(kv_dtype):
     """Padded tokens take the last row when every row is live; they run apart from that row's live tokens, so a
