@@ -34,9 +34,10 @@ struct TiledScratch {
 
 // A bf16 pool's tiles multiply bf16 pairs (DotPairs: VDPBF16PS on AVX-512 BF16): the queries are rounded to bf16
 // once per run, as pairs of adjacent head dims, and each block's softmax weights are rounded to bf16 as pairs of
-// adjacent slots (PackPairs; the values are interleaved to match once per block and band, InterleaveRows). Products are exact and every sum is f32, as in a bf16 MXU or
-// tensor-core matmul; the rounding is the only change from f32 arithmetic on the same stored keys and values, and
-// halves the multiply-adds.
+// adjacent slots (PackPairs; the values are interleaved to match once per block and band, InterleaveRows). Products
+// are exact and every sum is f32, as in a bf16 MXU or tensor-core matmul. The roundings are the change from f32
+// arithmetic on the same stored keys and values (the weights' e^x, ExpForBf16, is within 2.9e-6 of itself, far inside
+// their rounding's 2^-9), and halve the multiply-adds.
 
 // Scores of lanes [0, lanes) (a multiple of kScoreVecs * kLanes) against the page's slots [lo, hi), into
 // weights[slot][lane]; q_t and weights hold `width` lanes per row.
@@ -260,10 +261,11 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
           }
           new_max = Max(new_max, score);
         }
-        const Vec rescale = Exp(old_max - new_max);
+        const Vec rescale = kPairs ? ExpForBf16(old_max - new_max) : Exp(old_max - new_max);
         Vec sum = LoadVec(scratch.running_sum.data() + v) * rescale;
         auto weight_of = [&](int64_t slot) {  // the slot's softmax weight for lanes [v, v + kLanes)
-          const Vec weight = Exp(LoadVec(weights + slot * width + v) - new_max);
+          const Vec score = LoadVec(weights + slot * width + v);
+          const Vec weight = kPairs ? ExpForBf16(score - new_max) : Exp(score - new_max);
           if (!masked) return weight;
           const IntVec position = IntVec{} + static_cast<int32_t>(first + slot);
           return (position >= starts) & (position < ends) ? weight : Splat(0.0f);

@@ -21,10 +21,10 @@
 // step moved them through the stack and vector registers (30 SmolLM2 MLPs on a 2-core Zen 4, 32 / 256 / 2048 rows:
 // 170 / 200 / 200 -> 179 / 214 / 208 GFLOP/s).
 //
-// int8 panels (weight-only quantization, PaxkvCpuPanelMatmulInt8) are widened to f32 as they are loaded, and carry an
-// f32 scale and min per group of kGroupRows contraction rows and column (w = scale * q + min): a group's sums start from
-// zero, and go into the total as scale * sums + min * (x's sum over the group), two fused multiply-adds spelled out so
-// that every tile height rounds alike. Under kRowBlock rows, sums and totals stay in registers over kGroupsFew
+// int8 panels (weight-only quantization, PaxkvCpuPanelMatmulInt8) are widened to f32 as they are loaded, and carry
+// an f32 scale and min per group of kGroupRows contraction rows and column (w = scale * q + min): a group's sums start
+// from zero, and go into the total as scale * sums + min * (x's sum over the group), two fused multiply-adds spelled
+// out so that every tile height rounds alike. Under kRowBlock rows, sums and totals stay in registers over kGroupsFew
 // groups, in tiles of kGroupRowBlock rows; more rows take a block per group with kRowBlock-row tiles, the total
 // through `out`. Both do the same operations in the same order.
 //

@@ -270,6 +270,61 @@ def test_a_prompt_token_gets_the_same_bits_in_any_chunk(kv_dtype, page_size, sli
     np.testing.assert_array_equal(out[556:], out[200:300])
 
 
+def _bf16_values(x: np.ndarray) -> np.ndarray:
+    """x rounded to bf16 (nearest even), as float64."""
+    return np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16), np.float64)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_each_softmax_weight_read_through_one_hot_values(kv_dtype):
+    """Slot i's value is the unit vector e_i, so a prompt token's output element i is slot i's softmax weight as the
+    tiled path multiplied it, over the sum of the weights: the weights' exponential is checked one by one, not
+    through an average. In f32 each weight is e^(s_i - max) in float64 to within the scores' f32 sums. Over a bf16
+    pool each is that value rounded to bf16: ExpForBf16 is within 2.9e-6 of e^x, so only a weight within that of a
+    rounding boundary can round the other way (1 of 5424 here). An exponential off by up to 6e-4 (0.505 for its
+    r^2 coefficient) left 5258 of them off, through their sum if not their rounding."""
+    head_dim, group, num_kv_heads, kv_len, q_len = 64, 3, 2, 64, 16
+    case = make_case(
+        11,
+        kv_lens=[kv_len],
+        q_lens=[q_len],
+        page_size=16,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        kv_dtype=kv_dtype,
+    )
+    rng = np.random.default_rng(12)
+    keys = _bf16_values(rng.standard_normal((num_kv_heads, kv_len, head_dim)))  # [K, positions, D]
+    q = _bf16_values(rng.standard_normal((q_len, num_kv_heads * group, head_dim)) * 0.4)  # scores of a few units
+    pool = np.array(case.kv_pages, np.float32).reshape(*case.kv_pages.shape[:2], num_kv_heads, 2, head_dim)
+    table = np.asarray(case.metadata.block_tables)[0]
+    for position in range(kv_len):
+        page, slot = table[position // 16], position % 16
+        pool[page, slot, :, 0] = keys[:, position]
+        pool[page, slot, :, 1] = np.eye(head_dim)[position]  # every head's value: e_position
+    kv_pages = jnp.asarray(pool.reshape(case.kv_pages.shape), jnp.dtype(kv_dtype))
+    options = dict(sm_scale=1.0, kv_read="auto")
+    out = native.ragged_paged_attention_cpu(jnp.asarray(q, jnp.float32), kv_pages, case.metadata, **options)
+    out = np.asarray(out, np.float64)
+    mismatched = total = 0
+    for i in range(q_len):
+        position = kv_len - q_len + i  # the token sees positions [0, position]
+        for head in range(num_kv_heads * group):
+            scores = keys[head // group, : position + 1] @ q[i, head]
+            weights = np.exp(scores - scores.max())
+            got = out[i, head, : position + 1] * weights.sum()  # the weights as multiplied, times the exact sum
+            assert np.all(out[i, head, position + 1 :] == 0.0)  # no weight for positions out of sight
+            if kv_dtype == "float32":
+                np.testing.assert_allclose(got, weights, rtol=1e-5, atol=1e-7)  # the scores' f32 sums: ~1e-6
+            else:
+                np.testing.assert_allclose(got, _bf16_values(weights), rtol=2.0**-7)  # at most one bf16 step off
+                mismatched += int(np.sum(np.abs(got - _bf16_values(weights)) > 1e-5 * weights))
+                total += position + 1
+    if kv_dtype == "bfloat16":
+        assert mismatched <= 0.02 * total, f"{mismatched} of {total} weights off their exact value's rounding"
+
+
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
 def test_padding_in_the_last_row_changes_no_output(kv_dtype):
     """Padded tokens take the last row when every row is live; they run apart from that row's live tokens, so a
