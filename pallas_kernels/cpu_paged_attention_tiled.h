@@ -29,7 +29,7 @@ constexpr int64_t kScoreVecs = 2;
 // its queries in q_t and its softmax weights in weight_pairs as bf16 pairs (see below), the bits in f32 slots.
 struct TiledScratch {
   std::vector<float> q_t, out, weights, weight_pairs, block_values, running_max, running_sum, rescale;
-  std::vector<int32_t> starts, ends;
+  std::vector<int32_t> starts, ends, row_offsets;
 };
 
 // A bf16 pool's tiles multiply bf16 pairs (DotPairs: VDPBF16PS on AVX-512 BF16): the queries are rounded to bf16
@@ -185,15 +185,14 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
   scratch.ends.assign(width, 0);
   // Lane i * G + g's query row, as an offset from token first_token's first head of kv_head (padding lanes: row 0,
   // then zeros).
-  thread_local std::vector<int32_t> row_offsets;
-  row_offsets.assign(width, 0);
+  scratch.row_offsets.assign(width, 0);
   for (int64_t i = 0; i < count; ++i) {
     const TokenRange range = VisibleRange(positions[first_token + i], kv_lens[first_token + i], sliding_window);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t lane = i * G + g;
       scratch.starts[lane] = static_cast<int32_t>(range.start);
       scratch.ends[lane] = static_cast<int32_t>(range.end);
-      row_offsets[lane] = static_cast<int32_t>(i * s.num_q_heads * D + g * D);
+      scratch.row_offsets[lane] = static_cast<int32_t>(i * s.num_q_heads * D + g * D);
     }
   }
   // q_t[d][lane] = the lane's q[d]; a bf16 pool's as [D / 2][width] pairs (dims 2k low, 2k + 1 high).
@@ -201,7 +200,7 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
   IntVec lane_index;
   for (int64_t j = 0; j < kLanes; ++j) lane_index[j] = static_cast<int32_t>(j);
   for (int64_t v = 0; v < width; v += kLanes) {
-    const IntVec offsets = LoadIntVec(row_offsets.data() + v);
+    const IntVec offsets = LoadIntVec(scratch.row_offsets.data() + v);
     const IntVec live = (lane_index + static_cast<int32_t>(v)) < static_cast<int32_t>(num_rows);
     auto dim = [&](int64_t d) { return live ? Gather(q_base, offsets + static_cast<int32_t>(d)) : Splat(0.0f); };
     if constexpr (kPairs) {
