@@ -46,16 +46,41 @@ inline IntVec LoadIntVec(const int32_t* p) {
   return v;
 }
 
-// base[offsets[j]] in lane j.
-inline Vec Gather(const float* base, IntVec offsets) {
+// rows transposed in place: lane j of rows[i] trades places with lane i of rows[j]. With AVX-512 in 64 shuffles (pairs
+// of rows, then of pairs of lanes, then 128-bit quarters twice); a VGATHERDPS for each vector out had taken 3% of a
+// prompt's attention.
+inline void TransposeLanes(Vec (&rows)[kLanes]) {
 #if defined(__AVX512F__)
-  return (Vec)_mm512_i32gather_ps((__m512i)offsets, base, 4);
-#elif defined(__AVX2__)
-  return (Vec)_mm256_i32gather_ps(base, (__m256i)offsets, 4);
+  __m512 pairs[16], quads[16];
+  for (int i = 0; i < 16; i += 2) {  // quarter q of pairs[i]: lanes 4q, 4q + 1 of rows i, i + 1 (of [i + 1]: 4q + 2, 3)
+    pairs[i] = _mm512_unpacklo_ps((__m512)rows[i], (__m512)rows[i + 1]);
+    pairs[i + 1] = _mm512_unpackhi_ps((__m512)rows[i], (__m512)rows[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // quarter q of quads[i + k]: rows i to i + 3 at lane 4q + k
+    for (int k = 0; k < 2; ++k) {
+      const __m512d first = _mm512_castps_pd(pairs[i + k]), second = _mm512_castps_pd(pairs[i + k + 2]);
+      quads[i + 2 * k] = _mm512_castpd_ps(_mm512_unpacklo_pd(first, second));
+      quads[i + 2 * k + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(first, second));
+    }
+  }
+  for (int k = 0; k < 4; ++k) {  // lane 4q + k of every row: quarter q of quads[k], [4 + k], [8 + k], [12 + k]
+    const __m512 low01 = _mm512_shuffle_f32x4(quads[k], quads[4 + k], 0x44);  // quarters 0, 1 of each
+    const __m512 high01 = _mm512_shuffle_f32x4(quads[k], quads[4 + k], 0xEE);  // 2, 3
+    const __m512 low23 = _mm512_shuffle_f32x4(quads[8 + k], quads[12 + k], 0x44);
+    const __m512 high23 = _mm512_shuffle_f32x4(quads[8 + k], quads[12 + k], 0xEE);
+    rows[k] = (Vec)_mm512_shuffle_f32x4(low01, low23, 0x88);  // quarter 0 of all four
+    rows[4 + k] = (Vec)_mm512_shuffle_f32x4(low01, low23, 0xDD);
+    rows[8 + k] = (Vec)_mm512_shuffle_f32x4(high01, high23, 0x88);
+    rows[12 + k] = (Vec)_mm512_shuffle_f32x4(high01, high23, 0xDD);
+  }
 #else
-  Vec v;
-  for (int64_t j = 0; j < kLanes; ++j) v[j] = base[offsets[j]];
-  return v;
+  for (int64_t i = 0; i < kLanes; ++i) {
+    for (int64_t j = i + 1; j < kLanes; ++j) {
+      const float lane = rows[i][j];
+      rows[i][j] = rows[j][i];
+      rows[j][i] = lane;
+    }
+  }
 #endif
 }
 

@@ -28,7 +28,7 @@ constexpr int64_t kScoreVecs = 2;
 // One work item's buffers, kept per thread: rows across lanes, `width` lanes per row of each. A bf16 pool's run keeps
 // its queries in q_t and its softmax weights in weight_pairs as bf16 pairs (see below), the bits in f32 slots.
 struct TiledScratch {
-  std::vector<float> q_t, out, weights, weight_pairs, block_values, running_max, running_sum, rescale;
+  std::vector<float> q_t, out, weights, weight_pairs, block_values, block_max, running_max, running_sum, rescale;
   std::vector<int32_t> starts, ends, row_offsets;
 };
 
@@ -40,14 +40,17 @@ struct TiledScratch {
 // their rounding's 2^-9), and halve the multiply-adds.
 
 // Scores of lanes [0, lanes) (a multiple of kScoreVecs * kLanes) against the page's slots [lo, hi), into
-// weights[slot][lane]; q_t and weights hold `width` lanes per row.
+// weights[slot][lane]; q_t and weights hold `width` lanes per row. lane_max[lane] becomes the larger of itself and
+// the lane's largest score here.
 // A bf16 pool's q_t holds [D / 2][width] pairs of head dims (2k low, 2k + 1 high), and its keys are taken a pair at a
 // time as they lie in the page.
 template <typename T>
 void ScoreSlots(const float* q_t, const T* keys, int64_t row_width, int64_t D, int64_t width, int64_t lanes,
-                int64_t lo, int64_t hi, float* weights) {
+                int64_t lo, int64_t hi, float* weights, float* lane_max) {
   constexpr bool kPairs = std::is_same_v<T, uint16_t>;
   for (int64_t v0 = 0; v0 < lanes; v0 += kScoreVecs * kLanes) {
+    Vec tile_max[kScoreVecs];
+    for (int64_t c = 0; c < kScoreVecs; ++c) tile_max[c] = LoadVec(lane_max + v0 + c * kLanes);
     for (int64_t s0 = lo; s0 < hi; s0 += kScoreTileSlots) {
       const T* key_rows[kScoreTileSlots];
       for (int64_t j = 0; j < kScoreTileSlots; ++j) key_rows[j] = keys + std::min(s0 + j, hi - 1) * row_width;
@@ -70,10 +73,15 @@ void ScoreSlots(const float* q_t, const T* keys, int64_t row_width, int64_t D, i
           }
         }
       }
+      // (Slots past hi repeat slot hi - 1's score, so they leave the max as it is.)
+      for (int64_t j = 0; j < kScoreTileSlots; ++j) {
+        for (int64_t c = 0; c < kScoreVecs; ++c) tile_max[c] = Max(tile_max[c], acc[j][c]);
+      }
       for (int64_t j = 0; j < kScoreTileSlots && s0 + j < hi; ++j) {
         for (int64_t c = 0; c < kScoreVecs; ++c) StoreVec(weights + (s0 + j) * width + v0 + c * kLanes, acc[j][c]);
       }
     }
+    for (int64_t c = 0; c < kScoreVecs; ++c) StoreVec(lane_max + v0 + c * kLanes, tile_max[c]);
   }
 }
 
@@ -178,6 +186,7 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
   scratch.weights.resize(block_slots * width);
   if constexpr (kPairs) scratch.weight_pairs.resize((block_slots + 1) / 2 * width);
   scratch.block_values.resize(block_slots * D);
+  scratch.block_max.resize(kBandLanes);
   scratch.running_max.assign(width, kMaskValue);
   scratch.running_sum.assign(width, 0.0f);
   scratch.rescale.resize(width);
@@ -186,32 +195,49 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
   // Lane i * G + g's query row, as an offset from token first_token's first head of kv_head (padding lanes: row 0,
   // then zeros).
   scratch.row_offsets.assign(width, 0);
+  // The buffers' addresses, taken once: in a loop each use of the thread_local looks it up again, a call each time
+  // (that had been 1-3% of a prompt's attention).
+  float* q_t = scratch.q_t.data();
+  float* out_rows = scratch.out.data();
+  float* weights = scratch.weights.data();
+  float* weight_pairs = scratch.weight_pairs.data();  // empty but for a bf16 pool
+  float* block_values = scratch.block_values.data();
+  float* block_max = scratch.block_max.data();  // [band lanes]: the block's largest score each
+  float* running_max = scratch.running_max.data();
+  float* running_sum = scratch.running_sum.data();
+  float* rescales = scratch.rescale.data();
+  int32_t* lane_starts = scratch.starts.data();
+  int32_t* lane_ends = scratch.ends.data();
+  int32_t* row_offsets = scratch.row_offsets.data();
   for (int64_t i = 0; i < count; ++i) {
     const TokenRange range = VisibleRange(positions[first_token + i], kv_lens[first_token + i], sliding_window);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t lane = i * G + g;
-      scratch.starts[lane] = static_cast<int32_t>(range.start);
-      scratch.ends[lane] = static_cast<int32_t>(range.end);
-      scratch.row_offsets[lane] = static_cast<int32_t>(i * s.num_q_heads * D + g * D);
+      lane_starts[lane] = static_cast<int32_t>(range.start);
+      lane_ends[lane] = static_cast<int32_t>(range.end);
+      row_offsets[lane] = static_cast<int32_t>(i * s.num_q_heads * D + g * D);
     }
   }
-  // q_t[d][lane] = the lane's q[d]; a bf16 pool's as [D / 2][width] pairs (dims 2k low, 2k + 1 high).
+  // q_t[d][lane] = the lane's q[d]; a bf16 pool's as [D / 2][width] pairs (dims 2k low, 2k + 1 high). kLanes lanes
+  // by kLanes dims at a time, loaded as the rows lie and transposed.
   const float* q_base = q + (first_token * s.num_q_heads + kv_head * G) * D;
-  IntVec lane_index;
-  for (int64_t j = 0; j < kLanes; ++j) lane_index[j] = static_cast<int32_t>(j);
   for (int64_t v = 0; v < width; v += kLanes) {
-    const IntVec offsets = LoadIntVec(scratch.row_offsets.data() + v);
-    const IntVec live = (lane_index + static_cast<int32_t>(v)) < static_cast<int32_t>(num_rows);
-    auto dim = [&](int64_t d) { return live ? Gather(q_base, offsets + static_cast<int32_t>(d)) : Splat(0.0f); };
-    if constexpr (kPairs) {
-      for (int64_t k = 0; k < D / 2; ++k) StoreVec(&scratch.q_t[k * width + v], PackPairs(dim(2 * k), dim(2 * k + 1)));
-    } else {
-      for (int64_t d = 0; d < D; ++d) StoreVec(&scratch.q_t[d * width + v], dim(d));
+    for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
+      Vec dims[kLanes];  // lane v + j's q[d0 : d0 + kLanes] in dims[j]; after the transpose, q[d0 + j] of each lane
+      for (int64_t j = 0; j < kLanes; ++j) {
+        dims[j] = v + j < num_rows ? LoadVec(q_base + row_offsets[v + j] + d0) : Splat(0.0f);
+      }
+      TransposeLanes(dims);
+      for (int64_t j = 0; j < kLanes; j += kPairs ? 2 : 1) {
+        if constexpr (kPairs) {
+          StoreVec(q_t + (d0 + j) / 2 * width + v, PackPairs(dims[j], dims[j + 1]));
+        } else {
+          StoreVec(q_t + (d0 + j) * width + v, dims[j]);
+        }
+      }
     }
   }
   const int32_t* table = RowTable(s, block_tables, row);
-  float* weights = scratch.weights.data();
-  float* weight_pairs = scratch.weight_pairs.data();  // empty but for a bf16 pool
   // The run's lanes a band at a time, each band over every block of pages it sees: a band's queries, sums and weights
   // stay in the cache across the blocks (all 192 lanes of a 64-token run at once had 108 KiB of them per page).
   for (int64_t band = 0; band < width; band += kBandLanes) {
@@ -219,7 +245,7 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
     int64_t run_start = std::numeric_limits<int64_t>::max(), run_end = 0;
     int64_t latest_start = 0, earliest_end = std::numeric_limits<int64_t>::max();  // over lanes that see anything
     for (int64_t lane = band; lane < band_end; ++lane) {
-      const int64_t start = scratch.starts[lane], end = scratch.ends[lane];
+      const int64_t start = lane_starts[lane], end = lane_ends[lane];
       if (end > start) {
         run_start = std::min(run_start, start);
         run_end = std::max(run_end, end);
@@ -242,26 +268,30 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
       const int64_t hi = std::min(first + block_slots, run_end) - first;
       // Lanes that see nothing, and padding lanes, compute on these finite values and are dropped at the end.
       const bool masked = latest_start > first + lo || earliest_end < first + hi;
+      std::fill_n(block_max, band_end - band, kMaskValue);
       for (int64_t page = lo / P; page * P < hi; ++page) {
         const int64_t page_lo = std::max(lo, page * P) - page * P, page_hi = std::min(hi, (page + 1) * P) - page * P;
-        ScoreSlots(scratch.q_t.data() + band, page_of_block[page] + 2 * kv_head * D, s.row_width, D, width,
-                   band_end - band, page_lo, page_hi, weights + page * P * width + band);
+        ScoreSlots(q_t + band, page_of_block[page] + 2 * kv_head * D, s.row_width, D, width,
+                   band_end - band, page_lo, page_hi, weights + page * P * width + band, block_max);
       }
       for (int64_t v = band; v < band_end; v += kLanes) {
-        const IntVec starts = LoadIntVec(scratch.starts.data() + v), ends = LoadIntVec(scratch.ends.data() + v);
-        const Vec old_max = LoadVec(scratch.running_max.data() + v);
-        Vec new_max = old_max;
-        for (int64_t slot = lo; slot < hi; ++slot) {
-          Vec score = LoadVec(weights + slot * width + v);
-          if (masked) {
+        const IntVec starts = LoadIntVec(lane_starts + v), ends = LoadIntVec(lane_ends + v);
+        const Vec old_max = LoadVec(running_max + v);
+        // Every lane sees every slot of an unmasked block, so its max is the scores' (ScoreSlots took it); a masked
+        // block's scores that a lane does not see become kMaskValue first.
+        Vec new_max = Max(old_max, LoadVec(block_max + v - band));
+        if (masked) {
+          new_max = old_max;
+          for (int64_t slot = lo; slot < hi; ++slot) {
             const IntVec position = IntVec{} + static_cast<int32_t>(first + slot);
-            score = (position >= starts) & (position < ends) ? score : Splat(kMaskValue);
-            StoreVec(weights + slot * width + v, score);
+            const Vec score = LoadVec(weights + slot * width + v);
+            const Vec seen = (position >= starts) & (position < ends) ? score : Splat(kMaskValue);
+            StoreVec(weights + slot * width + v, seen);
+            new_max = Max(new_max, seen);
           }
-          new_max = Max(new_max, score);
         }
         const Vec rescale = kPairs ? ExpForBf16(old_max - new_max) : Exp(old_max - new_max);
-        Vec sum = LoadVec(scratch.running_sum.data() + v) * rescale;
+        Vec sum = LoadVec(running_sum + v) * rescale;
         auto weight_of = [&](int64_t slot) {  // the slot's softmax weight for lanes [v, v + kLanes)
           const Vec score = LoadVec(weights + slot * width + v);
           const Vec weight = kPairs ? ExpForBf16(score - new_max) : Exp(score - new_max);
@@ -283,20 +313,19 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
             sum += weight;
           }
         }
-        StoreVec(scratch.running_max.data() + v, new_max);
-        StoreVec(scratch.running_sum.data() + v, sum);
-        StoreVec(scratch.rescale.data() + v, rescale);
+        StoreVec(running_max + v, new_max);
+        StoreVec(running_sum + v, sum);
+        StoreVec(rescales + v, rescale);
       }
       // The block's values, [hi - lo][D] (or [(hi - lo + 1) / 2][D] bf16 pairs), from its pages' rows.
       auto value_row = [&](int64_t slot) {
         return page_of_block[slot / P] + (slot % P) * s.row_width + (2 * kv_head + 1) * D;
       };
-      float* values = scratch.block_values.data();
       if constexpr (kPairs) {
         for (int64_t slot = lo; slot < hi; slot += 2) {  // an odd last slot pairs with itself, under a weight of zero
           const T* first_row = value_row(slot);
           const T* second_row = slot + 1 < hi ? value_row(slot + 1) : first_row;
-          float* pair_row = values + (slot - lo) / 2 * D;
+          float* pair_row = block_values + (slot - lo) / 2 * D;
           int64_t c = 0;
           for (; c + 2 <= D / kLanes; c += 2) {
             Vec two[2];
@@ -310,12 +339,12 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
             StoreVec(pair_row + c * kLanes, one[0]);
           }
         }
-        AccumulateValues<true>(weight_pairs, values, D, width, band, band_end, (hi - lo + 1) / 2,
-                               scratch.rescale.data(), scratch.out.data());
+        AccumulateValues<true>(weight_pairs, block_values, D, width, band, band_end, (hi - lo + 1) / 2,
+                               rescales, out_rows);
       } else {
-        for (int64_t slot = lo; slot < hi; ++slot) std::copy_n(value_row(slot), D, values + (slot - lo) * D);
-        AccumulateValues<false>(weights + lo * width, values, D, width, band, band_end, hi - lo,
-                                scratch.rescale.data(), scratch.out.data());
+        for (int64_t slot = lo; slot < hi; ++slot) std::copy_n(value_row(slot), D, block_values + (slot - lo) * D);
+        AccumulateValues<false>(weights + lo * width, block_values, D, width, band, band_end, hi - lo,
+                                rescales, out_rows);
       }
     }
   }
@@ -323,13 +352,13 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
     float* out_heads = out + ((first_token + i) * s.num_q_heads + kv_head * G) * D;  // [G, D]
     for (int64_t g = 0; g < G; ++g) {
       const int64_t lane = i * G + g;
-      if (scratch.ends[lane] <= scratch.starts[lane]) {  // padding, or nothing visible: zeros
+      if (lane_ends[lane] <= lane_starts[lane]) {  // padding, or nothing visible: zeros
         std::fill(out_heads + g * D, out_heads + (g + 1) * D, 0.0f);
         continue;
       }
-      const Vec inverse = Splat(1.0f / std::max(scratch.running_sum[lane], 1e-30f));
+      const Vec inverse = Splat(1.0f / std::max(running_sum[lane], 1e-30f));
       for (int64_t d = 0; d < D; d += kLanes) {
-        StoreVec(out_heads + g * D + d, LoadVec(&scratch.out[lane * D + d]) * inverse);
+        StoreVec(out_heads + g * D + d, LoadVec(out_rows + lane * D + d) * inverse);
       }
     }
   }
