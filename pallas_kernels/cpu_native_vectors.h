@@ -40,6 +40,22 @@ inline Vec LoadVec(const float* p) {
   return v;
 }
 inline void StoreVec(float* p, Vec v) { __builtin_memcpy(p, &v, sizeof(v)); }
+// StoreVec without reading p's cache line first (a non-temporal store, weakly ordered: sfence before others read it)
+// where p is aligned to a whole vector; elsewhere StoreVec.
+inline void StreamVec(float* p, Vec v) {
+#if defined(__AVX512F__)
+  if (reinterpret_cast<uintptr_t>(p) % sizeof(Vec) == 0) return _mm512_stream_ps(p, (__m512)v);
+#elif defined(__AVX__)
+  if (reinterpret_cast<uintptr_t>(p) % sizeof(Vec) == 0) return _mm256_stream_ps(p, (__m256)v);
+#endif
+  StoreVec(p, v);
+}
+// Orders this thread's StreamVec stores before its later ones (the work item's end, before others read them).
+inline void FenceStreams() {
+#if defined(__AVX__)
+  _mm_sfence();
+#endif
+}
 inline IntVec LoadIntVec(const int32_t* p) {
   IntVec v;
   __builtin_memcpy(&v, p, sizeof(v));

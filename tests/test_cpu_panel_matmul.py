@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from matmul_cases import check_within_summation_error, random_case
+from matmul_cases import check_within_summation_error, exact_product, random_case
 
 import models
 from models.layers import project
@@ -104,6 +104,24 @@ def test_many_rows_of_a_narrow_weight_split_into_row_ranges_give_each_row_its_ow
     exact = x64 @ weight64
     bound = 256 * np.finfo(np.float32).eps * (np.abs(x64) @ np.abs(weight64))
     assert (np.abs(together - exact) <= bound).all()
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_output_over_4_mib_stored_without_the_cache_is_each_rows_own_result(dtype):
+    """2050 x 576 f32 outputs (4.5 MiB: cpu_panel_tiles.h's kStreamOutBytes) store their last block's sums by
+    non-temporal stores: two blocks deep (700 > 576), with a ragged last chunk. Every row is bit for bit what it is in a
+    product of a few rows (stored as usual), and the whole within summation error of the exact product."""
+    x, weight = random_case(16, 2050, 700, 576, dtype, False)
+    pack = pack_panels if dtype == "float32" else pack_panels_bf16
+    panels = pack(weight)
+    together = np.asarray(panel_matmul_cpu(x, panels, 576))
+    for first in (0, 1000, 2040):
+        np.testing.assert_array_equal(
+            np.asarray(panel_matmul_cpu(x[first : first + 10], panels, 576)), together[first : first + 10]
+        )
+    exact, bound = exact_product(x, weight, False)
+    assert np.all(np.abs(together - exact) <= bound)
 
 
 @needs_native
