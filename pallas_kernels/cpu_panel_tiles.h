@@ -18,14 +18,17 @@ constexpr int64_t kMinPartChunks = 8;                        // many rows: chunk
 // rows on, an f32 panel's block is kMidBlock rows deep (a contraction of at most kMidBlock * 3 / 2 in one block):
 // its tiles' sums go through `out` half as often, and on a 2-core Zen 4 SmolLM2's products at 16-64 rows ran 2-8%
 // faster than with kShallowBlock (three alternating builds; 1 and 8 rows unchanged, 96 kept there). More rows are
-// multiplied kRowChunk at a time, kDeepBlock contraction rows at a time: fewer round trips of the sums through `out`,
-// the panel in the second-level cache. Blocks never change a sum's order (it continues through `out` exactly).
+// multiplied kRowChunk at a time, kDeepBlock contraction steps (rows, or bf16 pairs of rows) at a time: fewer round
+// trips of the sums through `out`, the panel in the second-level cache (147 KiB a panel). 768 takes SmolLM2's down
+// projection in bf16 (1536 deep) in one block: with 576 it took two unequal ones, and 2048 x 1536 x 576 ran 4-6%
+// slower (f32, two blocks against three: 19.6 against 19.3 ms, the same within noise). Blocks never change a sum's
+// order (it continues through `out` exactly).
 constexpr int64_t kFewRows = 64;
 constexpr int64_t kShallowBlock = 96;
 constexpr int64_t kMidRows = 16;
 constexpr int64_t kMidBlock = 192;
 constexpr int64_t kRowChunk = 32;
-constexpr int64_t kDeepBlock = 576;
+constexpr int64_t kDeepBlock = 768;
 constexpr int64_t kCacheLine = 64;
 // Products with at least this many bytes of output store their final sums without reading the lines first (StreamVec):
 // an output that size outgrows the second-level cache before anything reads it, and reading each line in just to

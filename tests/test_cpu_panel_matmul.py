@@ -38,8 +38,8 @@ from pallas_kernels.native_library import native_kernel_error
 needs_native = pytest.mark.skipif(native_kernel_error() is not None, reason="the native CPU kernels do not build here")
 
 # (depth, columns): SmolLM2's 576 -> 192, 576 -> 1536 and 1536 -> 576; columns that leave a padded last panel (50,
-# 20); a depth past one deep block (700 > 576) and one of 3.
-SHAPES = [(576, 192), (576, 1536), (1536, 576), (200, 50), (700, 96), (3, 20), (37, 48)]
+# 20); a depth past one deep block of 768 steps in f32 and in bf16 pairs (1700 > 2 * 768) and one of 3.
+SHAPES = [(576, 192), (576, 1536), (1536, 576), (200, 50), (1700, 96), (3, 20), (37, 48)]
 # One row, a tile's rows minus one and plus one, a decode batch, the most taken all at once (64), one more (chunks of
 # 32 rows, deep blocks), and a ragged last chunk.
 ROWS = [1, 7, 9, 33, 64, 65, 100]
@@ -110,9 +110,10 @@ def test_many_rows_of_a_narrow_weight_split_into_row_ranges_give_each_row_its_ow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_an_output_over_4_mib_stored_without_the_cache_is_each_rows_own_result(dtype):
     """2050 x 576 f32 outputs (4.5 MiB: cpu_panel_tiles.h's kStreamOutBytes) store their last block's sums by
-    non-temporal stores: two blocks deep (700 > 576), with a ragged last chunk. Every row is bit for bit what it is in a
-    product of a few rows (stored as usual), and the whole within summation error of the exact product."""
-    x, weight = random_case(16, 2050, 700, 576, dtype, False)
+    non-temporal stores: 1700 deep (two deep blocks in bf16 pairs, three in f32), with a ragged last chunk. Every row
+    is bit for bit what it is in a product of a few rows (stored as usual), and the whole within summation error of the
+    exact product."""
+    x, weight = random_case(16, 2050, 1700, 576, dtype, False)
     pack = pack_panels if dtype == "float32" else pack_panels_bf16
     panels = pack(weight)
     together = np.asarray(panel_matmul_cpu(x, panels, 576))
