@@ -192,8 +192,8 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
   scratch.rescale.resize(width);
   scratch.starts.assign(width, 0);  // lanes past the run's rows, and empty tokens, see nothing
   scratch.ends.assign(width, 0);
-  // Lane i * G + g's query row, as an offset from token first_token's first head of kv_head (padding lanes: row 0,
-  // then zeros).
+  // Lane i * G + g's query row, as an offset from token first_token's first head of kv_head (padding lanes load none:
+  // zeros).
   scratch.row_offsets.assign(width, 0);
   // The buffers' addresses, taken once: in a loop each use of the thread_local looks it up again, a call each time
   // (that had been 1-3% of a prompt's attention).
