@@ -33,7 +33,9 @@ constexpr int64_t kCacheLine = 64;
 // Products with at least this many bytes of output store their final sums without reading the lines first (StreamVec):
 // an output that size outgrows the second-level cache before anything reads it, and reading each line in just to
 // overwrite it cost the writes. A 2048-token prompt's step on SmolLM2 in bf16 (q, o and down: 4.5 MiB each) took
-// 1593 and 1581 ms against 1604 and 1614 (alternated in one process); 2048 x 576 x 1536 alone, 10.3 -> 9.3 ms.
+// 1593 and 1581 ms against 1604 and 1614 (alternated in one process); 2048 x 576 x 1536 alone, 10.3 -> 9.3 ms. The
+// lm_head's logits from 22 decode rows on stream too, which the greedy token's pass then reads from memory: SmolLM2's
+// decode steps at batch 32 and 64 were unchanged within noise (40.7-42.0 and 79.8 ms against 41.8-42.1 and 82.2).
 constexpr int64_t kStreamOutBytes = int64_t{4} << 20;
 static_assert(kPanelWidth % kTileWidth == 0, "a panel is whole tiles wide");
 constexpr int64_t kFirstLevelAhead = 8;  // contraction steps
