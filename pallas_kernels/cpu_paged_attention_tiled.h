@@ -279,9 +279,10 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
         const Vec old_max = LoadVec(running_max + v);
         // Every lane sees every slot of an unmasked block, so its max is the scores' (ScoreSlots took it); a masked
         // block's scores that a lane does not see become kMaskValue first.
-        Vec new_max = Max(old_max, LoadVec(block_max + v - band));
-        if (masked) {
-          new_max = old_max;
+        Vec new_max = old_max;
+        if (!masked) {
+          new_max = Max(old_max, LoadVec(block_max + v - band));
+        } else {
           for (int64_t slot = lo; slot < hi; ++slot) {
             const IntVec position = IntVec{} + static_cast<int32_t>(first + slot);
             const Vec score = LoadVec(weights + slot * width + v);
