@@ -38,7 +38,7 @@ namespace {
 #include "cpu_native_vectors.h"         // Vec (the machine's width), Exp
 #include "cpu_native_register_tile.h"   // AccumulateTile
 #include "cpu_panel_tiles.h"            // PanelSplit, MultiplyPanelRows, MatmulPanels
-#include "cpu_panel_row_packing.h"      // PackRowTiles, PackFullTile, ToBf16Pairs
+#include "cpu_panel_row_packing.h"      // PackRowTiles, PackFullTile
 
 // silu(g) * u lane by lane: g * sigmoid(g) * u, the sigmoid from e = e^-|g| (Exp takes arguments <= 0) as 1 / (1 + e)
 // for g >= 0 and e / (1 + e) below, so that neither overflows.
@@ -87,17 +87,17 @@ void WriteGatedRows(float* g, const float* u, int64_t t0, int64_t rows, int64_t 
   }
 }
 
-// out[T, Pd * kPanelWidth] = (silu(x @ gate) * (x @ up)) @ down, for x[T, K] already as the gate and up panels read it
-// (f32 rows, or bf16 pairs with k_size pair steps), gate and up [P, k_size, kPanelWidth] over F = mlp_width columns,
-// and down [Pd, h_steps, kPanelWidth].
+// out[T, Pd * kPanelWidth] = (silu(x @ gate) * (x @ up)) @ down, for f32 x[T, K], gate and up [P, k_size,
+// kPanelWidth] over F = mlp_width columns (k_size: K, or bf16 panels' ceil(K / 2) pair steps), and down [Pd, h_steps,
+// kPanelWidth].
 template <typename Weight>
-void GatedMlp(ffi::ThreadPool& pool, const float* x, int64_t t_size, int64_t k_size, int64_t num_panels,
-              int64_t mlp_width, PanelOperand<Weight> gate, PanelOperand<Weight> up, PanelOperand<Weight> down,
-              int64_t down_panels, float* out) {
+void GatedMlp(ffi::ThreadPool& pool, const float* x, int64_t t_size, int64_t x_width, int64_t k_size,
+              int64_t num_panels, int64_t mlp_width, PanelOperand<Weight> gate, PanelOperand<Weight> up,
+              PanelOperand<Weight> down, int64_t down_panels, float* out) {
   constexpr bool kPairs = std::is_same_v<Weight, Bf16Pair>;
   const PanelSplit split(pool, t_size, k_size, num_panels, false);
   std::vector<float> packed_x_buffer;  // back to packed_buffers at the end
-  const float* packed_x = PackRowTiles(pool, x, t_size, k_size, split.tile_rows, packed_x_buffer);
+  const float* packed_x = PackRowTiles(pool, x, t_size, x_width, split.tile_rows, kPairs, packed_x_buffer);
   const int64_t h_steps = kPairs ? (mlp_width + 1) / 2 : mlp_width;
   std::vector<float> packed_h = packed_buffers.Take(t_size * h_steps);
   auto item = [&](int64_t i) {
@@ -155,14 +155,10 @@ template <typename Weight>
 ffi::Error RunGatedMlp(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, const Weight* gate, const Weight* up,
                        const Weight* down, ffi::Span<const int64_t> gate_dims, ffi::Span<const int64_t> down_dims,
                        int64_t mlp_width, float* result) {
-  constexpr bool kPairs = std::is_same_v<Weight, Bf16Pair>;
-  const int64_t t_size = x.dimensions()[0], k_size = x.dimensions()[1], down_panels = down_dims[0];
+  const int64_t t_size = x.dimensions()[0], x_width = x.dimensions()[1], down_panels = down_dims[0];
   if (t_size == 0 || down_panels == 0) return ffi::Error::Success();
-  std::vector<float> pairs;  // back to packed_buffers at the end
-  const float* x_steps = kPairs ? ToBf16Pairs(pool, x.typed_data(), t_size, k_size, pairs) : x.typed_data();
-  GatedMlp(pool, x_steps, t_size, gate_dims[1], gate_dims[0], mlp_width, PanelOperand<Weight>{gate},
+  GatedMlp(pool, x.typed_data(), t_size, x_width, gate_dims[1], gate_dims[0], mlp_width, PanelOperand<Weight>{gate},
            PanelOperand<Weight>{up}, PanelOperand<Weight>{down}, down_panels, result);
-  if (!pairs.empty()) packed_buffers.Give(std::move(pairs));
   return ffi::Error::Success();
 }
 

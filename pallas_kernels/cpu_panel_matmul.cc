@@ -31,9 +31,9 @@
 // bf16 panels (PaxkvCpuPanelMatmulBf16) hold contraction rows in pairs, [P, ceil(K / 2), kPanelWidth, 2]: a step of
 // the contraction is two rows, and a weight vector is kLanes columns' pairs, which AVX-512 BF16's VDPBF16PS multiplies
 // by a pair of x's values rounded to bf16 (DotPairs): twice the multiply-adds per instruction and half the bytes of
-// f32. x is rounded to bf16 once per call (ToBf16Pairs), and from there every path is the f32 one with Bf16Pair
-// weights and half as many steps: the same tiles, blocks, packing and prefetches (a block of pairs holds as many
-// bytes as an f32 block of as many steps).
+// f32. x is rounded to bf16 as it is packed, once per call (PackRowTiles), and from there every path is the f32 one
+// with Bf16Pair weights and half as many steps: the same tiles, blocks, packing and prefetches (a block of pairs holds
+// as many bytes as an f32 block of as many steps).
 
 #include <algorithm>
 #include <atomic>
@@ -58,7 +58,7 @@ namespace {
 #include "cpu_native_vectors.h"         // Vec (the machine's width), Splat
 #include "cpu_native_register_tile.h"   // AccumulateTile
 #include "cpu_panel_tiles.h"            // PanelSplit, MatmulPanels
-#include "cpu_panel_row_packing.h"      // PackRowTiles, ToBf16Pairs
+#include "cpu_panel_row_packing.h"      // PackRowTiles
 
 // Checks the operands' shapes: x[T, K] and panels[P, K, 48].
 ffi::Error CheckPanelShapes(ffi::Span<const int64_t> x_dims, ffi::Span<const int64_t> p_dims) {
@@ -85,7 +85,7 @@ ffi::Error RunPanelMatmul(ffi::ThreadPool& pool, const float* x, ffi::Span<const
   const std::vector<float> x_sums =
       split.grouped ? GroupSums(pool, x, t_size, k_size, split.num_groups) : std::vector<float>();
   std::vector<float> packed;  // back to packed_buffers at the end
-  const float* packed_x = PackRowTiles(pool, x, t_size, k_size, split.tile_rows, packed);
+  const float* packed_x = PackRowTiles(pool, x, t_size, k_size, split.tile_rows, false, packed);
   MatmulPanels(pool, split, packed_x, x_sums.data(), PanelOperand<Weight>{panels, scales, mins}, result);
   if (!packed.empty()) packed_buffers.Give(std::move(packed));
   return ffi::Error::Success();
@@ -130,14 +130,12 @@ ffi::Error PanelMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
     std::fill(result, result + t_size * num_panels * kPanelWidth, 0.0f);
     return ffi::Error::Success();
   }
-  std::vector<float> pairs, packed;  // back to packed_buffers at the end
-  const float* x_pairs = ToBf16Pairs(pool, x.typed_data(), t_size, k_size, pairs);
+  std::vector<float> packed;  // back to packed_buffers at the end
   const PanelSplit split(pool, t_size, (k_size + 1) / 2, num_panels, false);
-  const float* packed_x = PackRowTiles(pool, x_pairs, t_size, split.k_size, split.tile_rows, packed);
+  const float* packed_x = PackRowTiles(pool, x.typed_data(), t_size, k_size, split.tile_rows, true, packed);
   MatmulPanels(pool, split, packed_x, nullptr,
                PanelOperand<Bf16Pair>{reinterpret_cast<const Bf16Pair*>(panels.untyped_data())}, result);
-  packed_buffers.Give(std::move(pairs));
-  if (!packed.empty()) packed_buffers.Give(std::move(packed));
+  packed_buffers.Give(std::move(packed));
   return ffi::Error::Success();
 }
 

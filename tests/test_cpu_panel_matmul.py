@@ -38,8 +38,9 @@ from pallas_kernels.native_library import native_kernel_error
 needs_native = pytest.mark.skipif(native_kernel_error() is not None, reason="the native CPU kernels do not build here")
 
 # (depth, columns): SmolLM2's 576 -> 192, 576 -> 1536 and 1536 -> 576; columns that leave a padded last panel (50,
-# 20); a depth past one deep block of 768 steps in f32 and in bf16 pairs (1700 > 2 * 768) and one of 3.
-SHAPES = [(576, 192), (576, 1536), (1536, 576), (200, 50), (1700, 96), (3, 20), (37, 48)]
+# 20); a depth past one deep block of 768 steps in f32 and in bf16 pairs (1700 > 2 * 768), one of 3, and odd ones: 37,
+# and 301, whose bf16 pairs x's packing rounds in two pieces (128 pairs, then 23 with a zero in the last).
+SHAPES = [(576, 192), (576, 1536), (1536, 576), (200, 50), (1700, 96), (3, 20), (37, 48), (301, 20)]
 # One row, a tile's rows minus one and plus one, a decode batch, the most taken all at once (64), one more (chunks of
 # 32 rows, deep blocks), and a ragged last chunk.
 ROWS = [1, 7, 9, 33, 64, 65, 100]
