@@ -14,6 +14,7 @@ from pallas_kernels.cpu_panel_matmul import (
     panel_layout_pays,
     panel_matmul_cpu,
     panel_matmul_reference,
+    panel_matmuls_cpu,
     quantize_panels_int8,
     unpack_panels,
 )
@@ -89,6 +90,7 @@ __all__ = [
     "panel_layout_pays",
     "panel_matmul_cpu",
     "panel_matmul_reference",
+    "panel_matmuls_cpu",
     "pool_partition_spec",
     "paged_attention",
     "paged_attention_gpu",

@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -139,6 +140,80 @@ ffi::Error PanelMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   return ffi::Error::Success();
 }
 
+// x[T, K] times several weights of one kind (f32 panels [P_i, K, 48], or bf16 pairs [P_i, ceil(K / 2), 48, 2]), into
+// out_i[T, P_i * 48]: x packed once, and every product's work items in one pass over the pool. Each product keeps the
+// split that a call of its own makes, so each output is that call's, bit for bit. (An attention block's q, k and v on
+// SmolLM2, bf16 panels on a 2-core Zen 4: as one 960-column product, 2048 rows took 6.1 ms against 3.6 + 1.5 + 1.5 in
+// three calls, and 16 rows 0.072 against 0.093: x packed three times, and k's and v's 4 panels split finely.)
+template <typename Weight>
+ffi::Error RunPanelMatmuls(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
+                           ffi::RemainingRets outs) {
+  constexpr bool kPairs = std::is_same_v<Weight, Bf16Pair>;
+  const ffi::DataType weight_type = kPairs ? ffi::DataType::BF16 : ffi::DataType::F32;
+  const auto x_dims = x.dimensions();
+  if (x_dims.size() != 2 || weights.size() == 0 || weights.size() != outs.size()) {
+    return ffi::Error::InvalidArgument("expected x[T, K], then one or more weights' panels and an output for each");
+  }
+  const int64_t t_size = x_dims[0], x_width = x_dims[1], k_size = kPairs ? (x_width + 1) / 2 : x_width;
+  const size_t rank = kPairs ? 4 : 3;
+  struct Product {
+    PanelOperand<Weight> weight;
+    float* out;
+    int64_t num_panels;
+  };
+  std::vector<Product> products;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    ffi::ErrorOr<ffi::AnyBuffer> weight = weights.get<ffi::AnyBuffer>(i);
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> out = outs.get<ffi::AnyBuffer>(i);
+    if (weight.has_error() || out.has_error()) return ffi::Error::InvalidArgument("a weight or output is no buffer");
+    const auto p_dims = weight->dimensions(), out_dims = (*out)->dimensions();
+    if (weight->element_type() != weight_type || p_dims.size() != rank || p_dims[1] != k_size ||
+        p_dims[2] != kPanelWidth || (kPairs && p_dims[3] != 2)) {
+      return ffi::Error::InvalidArgument(kPairs ? "expected bf16 panels[P, ceil(K / 2), 48, 2] over x's K"
+                                                : "expected f32 panels[P, K, 48] over x's K");
+    }
+    if ((*out)->element_type() != ffi::DataType::F32 || out_dims.size() != 2 || out_dims[0] != t_size ||
+        out_dims[1] != p_dims[0] * kPanelWidth) {
+      return ffi::Error::InvalidArgument("expected f32 outputs [T, P * 48], one per weight");
+    }
+    products.push_back({{reinterpret_cast<const Weight*>(weight->untyped_data())},
+                        reinterpret_cast<float*>((*out)->untyped_data()), p_dims[0]});
+  }
+  if (t_size == 0) return ffi::Error::Success();
+  if (k_size == 0) {
+    for (const Product& product : products) {
+      std::fill(product.out, product.out + t_size * product.num_panels * kPanelWidth, 0.0f);
+    }
+    return ffi::Error::Success();
+  }
+  std::vector<PanelSplit> splits;
+  std::vector<int64_t> first_items = {0};  // product i's items are [first_items[i], first_items[i + 1])
+  for (const Product& product : products) {
+    splits.emplace_back(pool, t_size, k_size, product.num_panels, false);
+    first_items.push_back(first_items.back() + splits.back().NumItems());
+  }
+  std::vector<float> packed;  // back to packed_buffers at the end
+  const float* packed_x = PackRowTiles(pool, x.typed_data(), t_size, x_width, splits[0].tile_rows, kPairs, packed);
+  auto item = [&](int64_t i) {
+    size_t p = 0;
+    while (i >= first_items[p + 1]) ++p;
+    MultiplyPanelItem(splits[p], packed_x, nullptr, products[p].weight, products[p].out, i - first_items[p]);
+  };
+  ParallelFor(pool, first_items.back(), item);
+  if (!packed.empty()) packed_buffers.Give(std::move(packed));
+  return ffi::Error::Success();
+}
+
+ffi::Error PanelMatmulsF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
+                           ffi::RemainingRets outs) {
+  return RunPanelMatmuls<float>(pool, x, weights, outs);
+}
+
+ffi::Error PanelMatmulsBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
+                            ffi::RemainingRets outs) {
+  return RunPanelMatmuls<Bf16Pair>(pool, x, weights, outs);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuPanelMatmulF32, PanelMatmul,
@@ -163,3 +238,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuPanelMatmulBf16, PanelMatmulBf16,
                                   .Arg<ffi::Buffer<ffi::F32>>()    // x: [T, K]
                                   .Arg<ffi::AnyBuffer>()           // panels: bf16[P, ceil(K / 2), 48, 2]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out: [T, P * 48]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuPanelMatmulsF32, PanelMatmulsF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x: [T, K]
+                                  .RemainingArgs()               // each weight's panels: [P_i, K, 48]
+                                  .RemainingRets());             // each product: [T, P_i * 48]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuPanelMatmulsBf16, PanelMatmulsBf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x: [T, K]
+                                  .RemainingArgs()               // each weight's panels: bf16[P_i, ceil(K / 2), 48, 2]
+                                  .RemainingRets());             // each product: [T, P_i * 48]

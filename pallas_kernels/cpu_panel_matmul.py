@@ -32,7 +32,12 @@ to the output: x @ (q * scale + min) up to f32 rounding. At one row a weight str
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.native_library import PANEL_MATMUL_TARGETS, cpu_feature_flags, native_kernel_error
+from pallas_kernels.native_library import (
+    PANEL_MATMUL_TARGETS,
+    PANEL_MATMULS_TARGETS,
+    cpu_feature_flags,
+    native_kernel_error,
+)
 
 PANEL_WIDTH = 48  # columns per panel: three 16-lane vectors (cpu_panel_matmul.cc's kPanelWidth)
 
@@ -196,3 +201,37 @@ def panel_matmul_cpu(
     operands = (x.astype(jnp.float32), panels) + tuple(a.astype(jnp.float32) for a in groups if quantized)
     out = call(*operands)
     return out if columns == padded else out[:, :columns]
+
+
+def panel_matmuls_cpu(x: jax.Array, panels: list[jax.Array], columns: list[int]) -> list[jax.Array]:
+    """[panel_matmul_cpu(x, p, n) for p, n in zip(panels, columns)] in one native call: x is rounded and packed once and
+    every product's work goes over the threads together (an attention block's q, k and v). Each output is the
+    separate call's, bit for bit.
+
+    Args:
+      x: f32[T, K] activation rows.
+      panels: the weights, all f32[P_i, K, 48] (pack_panels) or all bf16[P_i, ceil(K / 2), 48, 2] (pack_panels_bf16).
+      columns: each weight's N before padding.
+    """
+    error = native_kernel_error()
+    if error is not None:
+        raise RuntimeError(f"the native CPU matmul cannot run: {error}")
+    rows, depth = x.shape
+    dtypes = {jnp.dtype(p.dtype) for p in panels}
+    dtype = dtypes.pop() if len(dtypes) == 1 else None
+    paired = dtype == jnp.bfloat16
+    layout = ((depth + 1) // 2, PANEL_WIDTH, 2) if paired else (depth, PANEL_WIDTH)
+    wrong = [list(p.shape) for p in panels if p.shape[1:] != layout]
+    if not panels or len(panels) != len(columns) or dtype not in PANEL_MATMULS_TARGETS or wrong:
+        raise ValueError(
+            f"panel_matmuls_cpu takes x[T, K] and one or more weights of one dtype, all f32 panels[P, K, "
+            f"{PANEL_WIDTH}] or all bf16 panels[P, ceil(K / 2), {PANEL_WIDTH}, 2], with a column count each; got x "
+            f"{list(x.shape)}, panels {[(list(p.shape), str(p.dtype)) for p in panels]} and columns {list(columns)}"
+        )
+    for p, n in zip(panels, columns, strict=True):
+        if not 0 <= n <= p.shape[0] * PANEL_WIDTH:
+            raise ValueError(f"columns={n} does not fit {p.shape[0]} panels of {PANEL_WIDTH}")
+    target, _ = PANEL_MATMULS_TARGETS[dtype]
+    shapes = [jax.ShapeDtypeStruct((rows, p.shape[0] * PANEL_WIDTH), jnp.float32) for p in panels]
+    outs = jax.ffi.ffi_call(target, shapes)(x.astype(jnp.float32), *panels)
+    return [out if n == out.shape[1] else out[:, :n] for out, n in zip(outs, columns, strict=True)]

@@ -332,27 +332,32 @@ void MultiplyPanelRows(const PanelSplit& split, const float* packed_x, const flo
   }
 }
 
-// out[T, P * kPanelWidth] = x[T, K] @ the panels of `weight`, x packed by PackRowTiles with split.tile_rows (x_sums: an
-// int8 weight's GroupSums of x as it was). Each item runs its chunks of rows through its panels in turn; the first
-// chunk's tiles prefetch the memory that follows each block.
+// Work item i of out[T, P * kPanelWidth] = x[T, K] @ the panels of `weight`, x packed by PackRowTiles with
+// split.tile_rows (x_sums: an int8 weight's GroupSums of x as it was): the item's chunks of rows through its panels in
+// turn, the first chunk's tiles prefetching the memory that follows each block.
+template <typename Weight>
+void MultiplyPanelItem(const PanelSplit& split, const float* packed_x, const float* x_sums, PanelOperand<Weight> weight,
+                       float* out, int64_t i) {
+  const int64_t n_size = split.num_panels * kPanelWidth;
+  const bool stream_out = split.t_size * n_size * static_cast<int64_t>(sizeof(float)) >= kStreamOutBytes;
+  int64_t p_begin, p_end, t_begin, t_end;
+  split.ItemBounds(i, p_begin, p_end, t_begin, t_end);
+  const Weight* item_end = weight.panels + p_end * split.k_size * kPanelWidth;
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += split.row_chunk) {
+    const int64_t rows = std::min(split.row_chunk, t_end - t0);
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      MultiplyPanelRows(split, packed_x, x_sums, weight, p, t0, rows, t0 == t_begin, item_end,
+                        out + t0 * n_size + p * kPanelWidth, n_size, stream_out);
+    }
+  }
+  if (stream_out) FenceStreams();
+}
+
+// out[T, P * kPanelWidth] = x[T, K] @ the panels of `weight` (MultiplyPanelItem's operands), the items over the pool.
 template <typename Weight>
 void MatmulPanels(ffi::ThreadPool& pool, const PanelSplit& split, const float* packed_x, const float* x_sums,
                   PanelOperand<Weight> weight, float* out) {
-  const int64_t n_size = split.num_panels * kPanelWidth;
-  const bool stream_out = split.t_size * n_size * static_cast<int64_t>(sizeof(float)) >= kStreamOutBytes;
-  auto item = [&](int64_t i) {
-    int64_t p_begin, p_end, t_begin, t_end;
-    split.ItemBounds(i, p_begin, p_end, t_begin, t_end);
-    const Weight* item_end = weight.panels + p_end * split.k_size * kPanelWidth;
-    for (int64_t t0 = t_begin; t0 < t_end; t0 += split.row_chunk) {
-      const int64_t rows = std::min(split.row_chunk, t_end - t0);
-      for (int64_t p = p_begin; p < p_end; ++p) {
-        MultiplyPanelRows(split, packed_x, x_sums, weight, p, t0, rows, t0 == t_begin, item_end,
-                          out + t0 * n_size + p * kPanelWidth, n_size, stream_out);
-      }
-    }
-    if (stream_out) FenceStreams();
-  };
+  auto item = [&](int64_t i) { MultiplyPanelItem(split, packed_x, x_sums, weight, out, i); };
   ParallelFor(pool, split.NumItems(), item);
 }
 

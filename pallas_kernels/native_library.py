@@ -71,6 +71,11 @@ PANEL_MATMUL_TARGETS = {
     jnp.dtype(jnp.int8): ("paxkv_cpu_panel_matmul_int8", "PaxkvCpuPanelMatmulInt8"),  # with group scales
     jnp.dtype(jnp.bfloat16): ("paxkv_cpu_panel_matmul_bf16", "PaxkvCpuPanelMatmulBf16"),  # contraction rows in pairs
 }
+# Several products sharing x, one call (f32 or bf16 panels alike).
+PANEL_MATMULS_TARGETS = {
+    jnp.dtype(jnp.float32): ("paxkv_cpu_panel_matmuls_f32", "PaxkvCpuPanelMatmulsF32"),
+    jnp.dtype(jnp.bfloat16): ("paxkv_cpu_panel_matmuls_bf16", "PaxkvCpuPanelMatmulsBf16"),
+}
 GATED_MLP_TARGETS = {
     jnp.dtype(jnp.float32): ("paxkv_cpu_gated_mlp_f32", "PaxkvCpuGatedMlpF32"),
     jnp.dtype(jnp.bfloat16): ("paxkv_cpu_gated_mlp_bf16", "PaxkvCpuGatedMlpBf16"),
@@ -168,6 +173,7 @@ def load() -> str | None:
                 *BLOCKED_MATMUL_TARGETS.values(),
                 *AMX_MATMUL_TARGETS.values(),
                 *PANEL_MATMUL_TARGETS.values(),
+                *PANEL_MATMULS_TARGETS.values(),
                 *GATED_MLP_TARGETS.values(),
                 GREEDY_TOKEN_TARGET,
                 KV_WRITE_TARGET,
