@@ -22,7 +22,7 @@
 //   vertical vector operation with a key or value element broadcast; the score tile (8 keys by 48 rows) is reused
 //   across head_dim and the value tile (6 rows by 64 output dims) across a block of pages' slots (64 positions,
 //   aligned to multiples of 64 so that a token's arithmetic never depends on its band), and the rows go through
-//   the blocks 48 at a time, so that their queries, sums and weights stay in the cache.
+//   the blocks 96 at a time, so that their queries, sums and weights stay in the cache.
 // Within one path each token's arithmetic is the same whatever run it is in. Every path reads f32 and bf16 pools
 // exactly and sums in f32. Over a bf16 pool the two vectorized paths (AttendRunTiled, AttendRunLanes) multiply bf16
 // pairs (DotPairs: VDPBF16PS on AVX-512 BF16, two multiply-adds per lane and instruction), rounding the queries and
