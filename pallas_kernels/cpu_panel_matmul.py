@@ -27,6 +27,10 @@ are a GGUF block's 32 contraction rows: a Q4_1 block that uses its lowest and hi
 rounding (its 16 levels are every 17th of the 256), and any other weight within half a step. The kernel widens q to
 f32 as it reads it, sums x times it over a group, and adds scale times that sum plus min times x's sum over the group
 to the output: x @ (q * scale + min) up to f32 rounding. At one row a weight streams 31% of the f32 bytes.
+
+panel_matmuls_cpu multiplies one x by several f32 or bf16 panel weights in one call (an attention block's q, k and v):
+x is rounded and packed once, and every product's work items go over the threads together, each product split as its
+own call splits it, so each output is that call's bits.
 """
 
 import jax
