@@ -23,6 +23,9 @@
 //   across head_dim and the value tile (6 rows by 64 output dims) across a block of pages' slots (64 positions,
 //   aligned to multiples of 64 so that a token's arithmetic never depends on its band), and the rows go through
 //   the blocks 96 at a time, so that their queries, sums and weights stay in the cache.
+// An int8 pool (AttendInt8: its values' bits and its scale words) takes the short-run path for every run, cut every
+// kMaxRunTokens tokens, head_dim 32, 64 or 128: f32 arithmetic on the integers, with each span's K scales applied to
+// its scores and V scales to its weights (the values are read at half a bf16 pool's bytes; the widening is the cost).
 // Within one path each token's arithmetic is the same whatever run it is in. Every path reads f32 and bf16 pools
 // exactly and sums in f32. Over a bf16 pool the two vectorized paths (AttendRunTiled, AttendRunLanes) multiply bf16
 // pairs (DotPairs: VDPBF16PS on AVX-512 BF16, two multiply-adds per lane and instruction), rounding the queries and
@@ -297,11 +300,13 @@ inline int64_t HeadGroups(ffi::ThreadPool& pool, const Shapes& s, int64_t num_ru
   return num_runs >= 2 * std::max<int64_t>(1, pool.num_threads()) ? 1 : s.num_kv_heads;
 }
 
+// Every run of the batch, over a pool of T (float, bf16 bits, or int8 with `scales`).
 template <typename T>
-ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
-                  ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> positions,
-                  ffi::Buffer<ffi::S32> kv_lens, int64_t sliding_window, float soft_cap,
-                  ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error AttendPool(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
+                      ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> positions,
+                      ffi::Buffer<ffi::S32> kv_lens, int64_t sliding_window, float soft_cap,
+                      ffi::ResultBuffer<ffi::F32> out, ScaleWords scales) {
+  constexpr bool kInt8 = std::is_same_v<T, int8_t>;
   auto q_dims = q.dimensions();
   auto page_dims = kv_pages.dimensions();
   auto table_dims = block_tables.dimensions();
@@ -325,6 +330,9 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
     return ffi::Error::InvalidArgument("query heads must be a multiple of the pool's KV heads");
   }
   s.group = s.num_q_heads / s.num_kv_heads;
+  if (kInt8 && s.head_dim != 32 && s.head_dim != 64 && s.head_dim != 128) {
+    return ffi::Error::InvalidArgument("an int8 pool's kernel takes head_dim 32, 64 or 128");
+  }
   const float* q_data = q.typed_data();
   const T* page_data = reinterpret_cast<const T*>(kv_pages.untyped_data());
   const int32_t* table_data = block_tables.typed_data();
@@ -346,10 +354,13 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
     if (tiled && run.count >= kMinTiledRunTokens) {
       for (int64_t kv_head = head_begin; kv_head < head_end; ++kv_head) {
         AttendRunTiled(s, q_data, page_data, table_data, run.first, run.count, kv_head, row, position_data,
-                       kv_len_data, sliding_window, out_data);
+                       kv_len_data, sliding_window, out_data, scales);
       }
+    } else if constexpr (kInt8) {  // head_dim 32, 64 or 128, checked above
+      AttendRunLanesFor(s, q_data, page_data, table_data, run.first, run.count, head_begin, head_end, row,
+                        position_data, kv_len_data, sliding_window, soft_cap, out_data, scales);
     } else if (!AttendRunLanesFor(s, q_data, page_data, table_data, run.first, run.count, head_begin, head_end, row,
-                                  position_data, kv_len_data, sliding_window, soft_cap, out_data)) {
+                                  position_data, kv_len_data, sliding_window, soft_cap, out_data, scales)) {
       for (int64_t kv_head = head_begin; kv_head < head_end; ++kv_head) {  // other head_dims
         AttendRun(s, q_data, page_data, table_data, run.first, run.count, kv_head, row, position_data, kv_len_data,
                   sliding_window, soft_cap, out_data);
@@ -358,6 +369,34 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   };
   ParallelFor(pool, static_cast<int64_t>(runs.size()) * head_groups, attend);
   return ffi::Error::Success();
+}
+
+template <typename T>
+ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
+                  ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> positions,
+                  ffi::Buffer<ffi::S32> kv_lens, int64_t sliding_window, float soft_cap,
+                  ffi::ResultBuffer<ffi::F32> out) {
+  return AttendPool<T>(pool, q, kv_pages, block_tables, rows, positions, kv_lens, sliding_window, soft_cap, out, {});
+}
+
+// An int8 pool (its values' bits) and its scale words u32[num_pages, G, lanes].
+ffi::Error AttendInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
+                      ffi::Buffer<ffi::U32> scale_words, ffi::Buffer<ffi::S32> block_tables,
+                      ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> kv_lens,
+                      int64_t sliding_window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+  auto page_dims = kv_pages.dimensions();
+  auto scale_dims = scale_words.dimensions();
+  if (page_dims.size() != 3 || scale_dims.size() != 3 || scale_dims[0] != page_dims[0] || scale_dims[1] <= 0 ||
+      q.dimensions().size() != 3) {
+    return ffi::Error::InvalidArgument("expected kv_pages[pages, P, 2KD] and scales[pages, G, lanes]");
+  }
+  const int64_t num_kv_heads = page_dims[2] / (2 * q.dimensions()[2]);
+  if (num_kv_heads % scale_dims[1] != 0 || num_kv_heads / scale_dims[1] * page_dims[1] > scale_dims[2]) {
+    return ffi::Error::InvalidArgument("the scales' groups and lanes do not hold a word per KV head and token");
+  }
+  const ScaleWords scales{scale_words.typed_data(), scale_dims[1], scale_dims[2]};
+  return AttendPool<int8_t>(pool, q, kv_pages, block_tables, rows, positions, kv_lens, sliding_window, soft_cap, out,
+                            scales);
 }
 
 }  // namespace
@@ -380,6 +419,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuPagedAttentionBF16, Attend<uint16_t>,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q, scaled: [T, N, D]
                                   .Arg<ffi::AnyBuffer>()         // kv_pages: bf16[pages, P, 2KD]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables: [S, W]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows: [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions: [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens: [T]
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuPagedAttentionInt8, AttendInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q, scaled: [T, N, D]
+                                  .Arg<ffi::AnyBuffer>()         // kv_pages: the int8 values' bits, u8[pages, P, 2KD]
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // scales: [pages, G, lanes]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables: [S, W]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows: [T]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // positions: [T]

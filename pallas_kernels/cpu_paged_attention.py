@@ -1,6 +1,7 @@
 """Paged attention on CPU through a native XLA FFI kernel (cpu_paged_attention.cc): every token of a plain f32 or
-bf16 pool (decode tokens with or without speculative drafts, and prefill chunks); 8-bit pools keep the XLA
-reference's blocked path and its per-token reader.
+bf16 pool (decode tokens with or without speculative drafts, and prefill chunks), and of an int8 pool of head_dim 32,
+64 or 128; FP8 pools (and int8 ones of other head_dims) keep the XLA reference's blocked path and its per-token
+reader.
 
 XLA:CPU's version of the per-token read gathers every token's KV block into a fresh array first, at about 4 GB/s;
 the native kernel walks the pages in place (12-15 GB/s on 2 cores, 3x less time at batch 32). Prefill chunks take
@@ -8,7 +9,9 @@ its tiled path, a matrix-product-shaped loop over each page: SmolLM2's 2048-toke
 layer there, against about 107 ms by the reference's 128 x 128 blocks (BUILD.md). Over a bf16 pool the tiled path,
 and the short-run path of head_dim 32, 64 and 128, multiply bf16 pairs (queries and softmax weights rounded to bf16,
 exact products, f32 sums), within 2^-8 of the reference; every other token matches the reference's f32 arithmetic
-but for the order of its sums.
+but for the order of its sums. An int8 pool's tokens all take the short-run path (prompts in runs of 16), its f32
+arithmetic on the stored integers: each key's dot product times its K scale, each softmax weight times its V scale,
+where the reference multiplies the dequantized values (the same products, rounded in another order).
 
 The kernel is part of the native library (pallas_kernels/native_library.py), built on first use; where it cannot be
 built, `native_kernel_error()` says why and `auto` keeps the pure-jnp reference.
@@ -30,23 +33,30 @@ from pallas_kernels.reference import attend_per_token, ragged_attention_with_rea
 # at most this many tokens (a decode token and its drafts) go to the per-token reader, longer chunks to the
 # reference's matmuls.
 NATIVE_RUN_TOKENS = 8
+# The head_dims whose int8 pools the kernel reads (its lanes path's; cpu_paged_attention_lanes.h).
+INT8_HEAD_DIMS = (32, 64, 128)
 
 
 def _native_reads(kv_pages) -> bool:
-    """Whether the kernel reads this pool (plain f32 or bf16 pages; 8-bit pools keep the jnp reader)."""
-    return not isinstance(kv_pages, QuantizedKVPages) and jnp.dtype(kv_pages.dtype) in ATTENTION_TARGETS
+    """Whether the kernel reads this pool: plain f32 or bf16 pages, and int8 ones (with their scales) of head_dim 32,
+    64 or 128; FP8 pools, and int8 ones of other head_dims, keep the jnp reader."""
+    if isinstance(kv_pages, QuantizedKVPages):
+        return kv_pages.dtype == jnp.int8 and kv_pages.head_dim in INT8_HEAD_DIMS
+    return jnp.dtype(kv_pages.dtype) in ATTENTION_TARGETS and jnp.dtype(kv_pages.dtype) != jnp.int8
 
 
 def _native_reader(q, kv_pages, block_tables, tokens, sliding_window, soft_cap):
-    """attend_per_token's contract through the native kernel; 8-bit pools keep the jnp reader."""
+    """attend_per_token's contract through the native kernel, for the pools it reads (_native_reads)."""
     if not _native_reads(kv_pages):
         return attend_per_token(q, kv_pages, block_tables, tokens, sliding_window, soft_cap)
     num_kv_heads_of(kv_pages, q.shape[-1])  # checks the pool's width against head_dim
     target, _ = ATTENTION_TARGETS[jnp.dtype(kv_pages.dtype)]
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    # An int8 pool passes its values' bits and its scale words (the kernel dequantizes each span it reads).
+    pool = (kv_pages.pages, kv_pages.scales) if isinstance(kv_pages, QuantizedKVPages) else (kv_pages,)
     return call(
         q.astype(jnp.float32),
-        kv_pages,
+        *pool,
         block_tables.astype(jnp.int32),
         tokens.row.astype(jnp.int32),
         tokens.query_positions.astype(jnp.int32),
@@ -68,7 +78,7 @@ def ragged_paged_attention_cpu(
     kv_read: str = "auto",
 ) -> jax.Array:  # [T, num_q_heads, D]
     """ragged_paged_attention_reference through the native kernel: under kv_read="auto" it takes every token of a
-    plain f32 or bf16 pool; 8-bit pools, and the other kv_read modes, keep the reference's paths around it.
+    pool it reads (_native_reads); FP8 pools, and the other kv_read modes, keep the reference's paths around it.
 
     Args:
       q: queries of the new tokens, already rotated.

@@ -50,10 +50,14 @@ constexpr int64_t QueryWidth(int64_t D) {
 //
 // next_rows, unless null, is this KV head's first row in the same slots of the row's next page: as each value row is
 // read, the same slot's K and V rows there are prefetched (PrefetchSlotRows).
+//
+// scales, for an int8 pool, are the span's K scales [kSlotSpan] and then its V scales [kSlotSpan] (null otherwise): a
+// score is the key's integer dot product times its K scale, and a weight is multiplied by its V scale before it
+// meets the value's integers (the softmax sum takes the weight as it was).
 template <int kChunks, int kRows, typename T>
 inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, const T* values, int64_t row_width,
                            int64_t n, int64_t lo, int64_t hi, float soft_cap, float* running_max, float* running_sum,
-                           float* const (&acc)[kRows], const T* next_rows) {
+                           float* const (&acc)[kRows], const T* next_rows, const float* scales) {
   constexpr bool kPairs = std::is_same_v<T, uint16_t>;
   constexpr int kQueryVecs = kPairs ? kChunks / 2 : kChunks;
   Vec scores[kRows][kSlotVecs];
@@ -103,6 +107,7 @@ inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, c
           partial[j] = dot;
         }
         scores[r][b] = SumEachLane(partial);  // lane j: slot b * kLanes + j's score
+        if (scales != nullptr) scores[r][b] *= LoadVec(scales + b * kLanes);
       }
     }
   }
@@ -138,6 +143,7 @@ inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, c
       Vec weights = Exp(scores[r][b] - Splat(new_max));
       weights = visible[b] ? weights : Vec{};
       total += weights;
+      if (scales != nullptr) weights *= LoadVec(scales + kSlotSpan + b * kLanes);  // after the sum: V's scales
       StoreVec(weight[r] + b * kLanes, weights);
     }
     running_sum[r] = running_sum[r] * rescale[r] + HorizontalSum(total);
@@ -200,7 +206,7 @@ inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, c
 template <int kChunks, int kRows, typename T>
 inline void AttendHeadsSpan(const float* q_heads, const T* keys, int64_t row_width, int64_t n, int64_t lo, int64_t hi,
                             float soft_cap, int64_t g, float* running_max, float* running_sum, float* acc,
-                            const T* next_rows) {
+                            const T* next_rows, const float* scales) {
   constexpr int64_t D = kChunks * kLanes, query_width = QueryWidth<T>(D);
   const float* q_rows[kRows];
   float* acc_rows[kRows];
@@ -209,7 +215,33 @@ inline void AttendHeadsSpan(const float* q_heads, const T* keys, int64_t row_wid
     acc_rows[r] = acc + (g + r) * D;
   }
   AttendSlotSpan<kChunks, kRows>(q_rows, keys, keys + D, row_width, n, lo, hi, soft_cap, running_max + g,
-                                 running_sum + g, acc_rows, next_rows);
+                                 running_sum + g, acc_rows, next_rows, scales);
+}
+
+// An int8 pool's scales (pallas_kernels/quantization.py): words[num_pages, groups, lanes], one u32 per (KV head,
+// token) holding the K scale's bf16 bits high and the V scale's low; KV head h = g * K / groups + i, token t sits in
+// word [page, g, i * page_size + t]. Null for plain pools.
+struct ScaleWords {
+  const uint32_t* words = nullptr;
+  int64_t groups = 1, lanes = 0;
+
+  // The words of one KV head's tokens in a page, token-major.
+  const uint32_t* Head(const Shapes& s, int64_t page_id, int64_t kv_head) const {
+    const int64_t heads_per_group = s.num_kv_heads / groups;
+    const int64_t group = kv_head / heads_per_group, index = kv_head % heads_per_group;
+    return words + (page_id * groups + group) * lanes + index * s.page_size;
+  }
+};
+
+// The K and V scales of n slots (one word each) as f32, into scales[kSlotSpan] (K) and scales[kSlotSpan + ...] (V);
+// slots n and up get 0.
+inline void UnpackSpanScales(const uint32_t* words, int64_t n, float* scales) {
+  for (int64_t slot = 0; slot < kSlotSpan; ++slot) {
+    const uint32_t word = slot < n ? words[slot] : 0;
+    const uint32_t key_bits = word & 0xFFFF0000u, value_bits = word << 16;
+    std::memcpy(scales + slot, &key_bits, sizeof(float));
+    std::memcpy(scales + kSlotSpan + slot, &value_bits, sizeof(float));
+  }
 }
 
 // Query rows that share one span's loads: the value update holds rows x kChunks accumulators, kept to half the
@@ -223,12 +255,17 @@ constexpr int MaxSpanRows() {
 
 // Tokens [first, first + count) of one row against KV heads [head_begin, head_end), head_dim = kChunks * kLanes:
 // AttendRun's contract for each of those heads. The heads are interleaved page by page, so that each page's rows are
-// read once, front to back, whichever heads the item covers.
+// read once, front to back, whichever heads the item covers. Over an int8 pool (T = int8_t, with its scales) the
+// arithmetic is the f32 path's on the stored integers, each span's scales applied to its scores and weights
+// (AttendSlotSpan): widening the integers into an f32 span first, scaled or not, took 1.3x as long (BUILD.md).
 template <int kChunks, typename T>
 void AttendRunLanes(const Shapes& s, const float* q, const T* pages, const int32_t* block_tables, int64_t first_token,
                     int64_t count, int64_t head_begin, int64_t head_end, int32_t row, const int32_t* positions,
-                    const int32_t* kv_lens, int64_t sliding_window, float soft_cap, float* out) {
+                    const int32_t* kv_lens, int64_t sliding_window, float soft_cap, float* out,
+                    const ScaleWords& scales) {
   constexpr int64_t D = kChunks * kLanes;
+  constexpr bool kInt8 = std::is_same_v<T, int8_t>;
+  alignas(64) float span_scales[2 * kSlotSpan];  // an int8 pool's: the span's K scales, then its V scales
   const int64_t G = s.group, P = s.page_size, H = head_end - head_begin;
   TokenRange ranges[kMaxRunTokens];
   const auto [run_start, run_end] = RunRanges(positions, kv_lens, first_token, count, sliding_window, ranges);
@@ -257,7 +294,8 @@ void AttendRunLanes(const Shapes& s, const float* q, const T* pages, const int32
     const int64_t page_id = PageAt(s, table, first / P);
     if (first == run_start - run_start % P) ReadPageHeadsInOrder(s, pages, table, first / P, head_begin, head_end, D);
     // The next page's slots, prefetched as these are worked on.
-    const T* next_page = first + P < run_end ? pages + PageAt(s, table, first / P + 1) * P * s.row_width : nullptr;
+    const int64_t next_page_id = first + P < run_end ? PageAt(s, table, first / P + 1) : -1;
+    const T* next_page = next_page_id >= 0 ? pages + next_page_id * P * s.row_width : nullptr;
     for (int64_t chunk = first; chunk < std::min(first + P, run_end); chunk += kSlotSpan) {
       const int64_t n = std::min<int64_t>(kSlotSpan, first + P - chunk);
       const T* slots = pages + (page_id * P + chunk - first) * s.row_width;
@@ -267,6 +305,12 @@ void AttendRunLanes(const Shapes& s, const float* q, const T* pages, const int32
         // The first (token, query rows) to attend this span prefetches the head's rows of the next page's slots.
         const T* next_rows =
             next_page == nullptr ? nullptr : next_page + (chunk - first) * s.row_width + 2 * kv_head * D;
+        const float* span_scales_or_null = nullptr;
+        if constexpr (kInt8) {
+          if (next_page_id >= 0) __builtin_prefetch(scales.Head(s, next_page_id, kv_head) + (chunk - first), 0, 2);
+          UnpackSpanScales(scales.Head(s, page_id, kv_head) + (chunk - first), n, span_scales);
+          span_scales_or_null = span_scales;
+        }
         for (int64_t i = 0; i < count; ++i) {
           const int64_t lo = std::max(chunk, ranges[i].start) - chunk;
           const int64_t hi = std::min(chunk + n, ranges[i].end) - chunk;
@@ -282,14 +326,14 @@ void AttendRunLanes(const Shapes& s, const float* q, const T* pages, const int32
           for (; g + kRows <= G; g += kRows) {
             AttendHeadsSpan<kChunks, kRows>(q_heads, keys, s.row_width, n, lo, hi, soft_cap, g,
                                             running_max.data() + state, running_sum.data() + state, acc_heads,
-                                            next_rows);
+                                            next_rows, span_scales_or_null);
             next_rows = nullptr;
           }
           switch (G - g) {  // the rest of the group (fewer than kRows)
 #define PAXKV_SPAN_ROWS_CASE(rows)                                                                        \
   case rows:                                                                                              \
     AttendHeadsSpan<kChunks, rows>(q_heads, keys, s.row_width, n, lo, hi, soft_cap, g, running_max.data() + state, \
-                                   running_sum.data() + state, acc_heads, next_rows);                     \
+                                   running_sum.data() + state, acc_heads, next_rows, span_scales_or_null); \
     next_rows = nullptr;                                                                                  \
     break;
             PAXKV_SPAN_ROWS_CASE(1)
@@ -314,11 +358,11 @@ template <typename T>
 bool AttendRunLanesFor(const Shapes& s, const float* q, const T* pages, const int32_t* block_tables,
                        int64_t first_token, int64_t count, int64_t head_begin, int64_t head_end, int32_t row,
                        const int32_t* positions, const int32_t* kv_lens, int64_t sliding_window, float soft_cap,
-                       float* out) {
+                       float* out, const ScaleWords& scales) {
 #define PAXKV_LANES_CASE(head_dim)                                                                                  \
   case head_dim:                                                                                                    \
     AttendRunLanes<head_dim / kLanes>(s, q, pages, block_tables, first_token, count, head_begin, head_end, row,     \
-                                      positions, kv_lens, sliding_window, soft_cap, out);                           \
+                                      positions, kv_lens, sliding_window, soft_cap, out, scales);                   \
     return true;
   switch (s.head_dim) {  // the head_dims of the models paxkv runs (each case adds about 0.6 s to the build)
     PAXKV_LANES_CASE(32)

@@ -28,7 +28,8 @@ constexpr int64_t kScoreVecs = 2;
 // One work item's buffers, kept per thread: rows across lanes, `width` lanes per row of each. A bf16 pool's run keeps
 // its queries in q_t and its softmax weights in weight_pairs as bf16 pairs (see below), the bits in f32 slots.
 struct TiledScratch {
-  std::vector<float> q_t, out, weights, weight_pairs, block_values, block_max, running_max, running_sum, rescale;
+  std::vector<float> q_t, out, weights, weight_pairs, block_keys, block_values, block_max, running_max, running_sum,
+      rescale;
   std::vector<int32_t> starts, ends, row_offsets;
 };
 
@@ -170,14 +171,30 @@ void AccumulateValues(const float* weights, const float* values, int64_t D, int6
   }
 }
 
+// An int8 row of D values (a multiple of kLanes) times its scale, into f32: exact (an 8-bit integer times a bf16).
+inline void DequantizeRow(const int8_t* row, float scale, int64_t D, float* out) {
+  for (int64_t d = 0; d < D; d += kLanes) StoreVec(out + d, LoadValues(row + d) * Splat(scale));
+}
+
+// The K (high half) or V (low half) scale in an int8 pool's scale word (ScaleWords).
+inline float ScaleOf(uint32_t word, bool key) {
+  const uint32_t bits = key ? word & 0xFFFF0000u : word << 16;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return scale;
+}
+
 // AttendRun's contract for a run of kMinTiledRunTokens to kMaxTiledRunTokens tokens, without a soft cap, and
 // head_dim a multiple of kLanes. Row r = i * G + g of the run is lane r of every [.][width] buffer, and row r of
-// out[width][D].
+// out[width][D]. Over an int8 pool (T = int8_t, with its scales) each block's keys and values are dequantized into
+// f32 first (a key once per band, amortized over the band's rows), and the f32 arithmetic runs on them: the same bits
+// as over an f32 pool of the dequantized values.
 template <typename T>
 void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32_t* block_tables, int64_t first_token,
                     int64_t count, int64_t kv_head, int32_t row, const int32_t* positions, const int32_t* kv_lens,
-                    int64_t sliding_window, float* out) {
+                    int64_t sliding_window, float* out, const ScaleWords& scales) {
   constexpr bool kPairs = std::is_same_v<T, uint16_t>;
+  constexpr bool kInt8 = std::is_same_v<T, int8_t>;
   const int64_t G = s.group, D = s.head_dim, P = s.page_size, num_rows = count * G;
   const int64_t tile_rows = kScoreVecs * kLanes, width = (num_rows + tile_rows - 1) / tile_rows * tile_rows;
   thread_local TiledScratch scratch;
@@ -189,6 +206,7 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
   scratch.weights.resize(block_slots * width);
   if constexpr (kPairs) scratch.weight_pairs.resize((block_slots + 1) / 2 * width);
   scratch.block_values.resize(block_slots * D);
+  if constexpr (kInt8) scratch.block_keys.resize(block_slots * D);
   scratch.block_max.resize(kBandLanes);
   scratch.running_max.assign(width, kMaskValue);
   scratch.running_sum.assign(width, 0.0f);
@@ -205,6 +223,7 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
   float* weights = scratch.weights.data();
   float* weight_pairs = scratch.weight_pairs.data();  // empty but for a bf16 pool
   float* block_values = scratch.block_values.data();
+  float* block_keys = scratch.block_keys.data();  // [block_slots][D]: an int8 pool's dequantized keys (else empty)
   float* block_max = scratch.block_max.data();  // [band lanes]: the block's largest score each
   float* running_max = scratch.running_max.data();
   float* running_sum = scratch.running_sum.data();
@@ -260,9 +279,11 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
     // the same in any run: slots outside [run_start, run_end) are seen by no lane of the band and are skipped.
     for (int64_t first = run_start - run_start % block_slots; first < run_end; first += block_slots) {
       const T* page_of_block[kBlockSlots];  // the block's pages, from the one holding `first`
+      const uint32_t* scales_of_block[kBlockSlots];  // an int8 pool's: the words of kv_head's tokens in each
       for (int64_t page = 0; page < block_slots / P; ++page) {
-        page_of_block[page] = first + page * P < run_end ? pages + PageAt(s, table, first / P + page) * P * s.row_width
-                                                         : nullptr;
+        const int64_t page_id = first + page * P < run_end ? PageAt(s, table, first / P + page) : -1;
+        page_of_block[page] = page_id >= 0 ? pages + page_id * P * s.row_width : nullptr;
+        if constexpr (kInt8) scales_of_block[page] = page_id >= 0 ? scales.Head(s, page_id, kv_head) : nullptr;
       }
       // Slots some lane of the band sees, from an even position: all lie inside the sequence, so they hold written,
       // finite K and V. (Pairs of slots start at even positions whatever the band's first one: with a window a
@@ -274,8 +295,18 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
       std::fill_n(block_max, band_end - band, kMaskValue);
       for (int64_t page = lo / P; page * P < hi; ++page) {
         const int64_t page_lo = std::max(lo, page * P) - page * P, page_hi = std::min(hi, (page + 1) * P) - page * P;
-        ScoreSlots(q_t + band, page_of_block[page] + 2 * kv_head * D, s.row_width, D, width,
-                   band_end - band, page_lo, page_hi, weights + page * P * width + band, block_max);
+        if constexpr (kInt8) {
+          float* keys = block_keys + page * P * D;  // [P][D], slots [page_lo, page_hi) filled
+          for (int64_t slot = page_lo; slot < page_hi; ++slot) {
+            DequantizeRow(page_of_block[page] + slot * s.row_width + 2 * kv_head * D,
+                          ScaleOf(scales_of_block[page][slot], true), D, keys + slot * D);
+          }
+          ScoreSlots(q_t + band, static_cast<const float*>(keys), D, D, width, band_end - band, page_lo, page_hi,
+                     weights + page * P * width + band, block_max);
+        } else {
+          ScoreSlots(q_t + band, page_of_block[page] + 2 * kv_head * D, s.row_width, D, width,
+                     band_end - band, page_lo, page_hi, weights + page * P * width + band, block_max);
+        }
       }
       for (int64_t v = band; v < band_end; v += kLanes) {
         const IntVec starts = LoadIntVec(lane_starts + v), ends = LoadIntVec(lane_ends + v);
@@ -346,7 +377,14 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
         AccumulateValues<true>(weight_pairs, block_values, D, width, band, band_end, (hi - lo + 1) / 2,
                                rescales, out_rows);
       } else {
-        for (int64_t slot = lo; slot < hi; ++slot) std::copy_n(value_row(slot), D, block_values + (slot - lo) * D);
+        for (int64_t slot = lo; slot < hi; ++slot) {
+          if constexpr (kInt8) {
+            DequantizeRow(value_row(slot), ScaleOf(scales_of_block[slot / P][slot % P], false), D,
+                          block_values + (slot - lo) * D);
+          } else {
+            std::copy_n(value_row(slot), D, block_values + (slot - lo) * D);
+          }
+        }
         AccumulateValues<false>(weights + lo * width, block_values, D, width, band, band_end, hi - lo,
                                 rescales, out_rows);
       }

@@ -54,6 +54,7 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared
 ATTENTION_TARGETS = {
     jnp.dtype(jnp.float32): ("paxkv_cpu_paged_attention_f32", "PaxkvCpuPagedAttentionF32"),
     jnp.dtype(jnp.bfloat16): ("paxkv_cpu_paged_attention_bf16", "PaxkvCpuPagedAttentionBF16"),
+    jnp.dtype(jnp.int8): ("paxkv_cpu_paged_attention_int8", "PaxkvCpuPagedAttentionInt8"),  # QuantizedKVPages
 }
 MATMUL_TARGETS = {
     jnp.dtype(jnp.float32): ("paxkv_cpu_small_matmul_f32", "PaxkvCpuSmallMatmulF32"),

@@ -46,6 +46,10 @@ near tie (scripts/eval_weight_quality.py measures how often), so the first-token
 `paxkv_bf16_kv` is paxkv_bf16 with a bf16 KV pool too (`kv_cache_dtype="bfloat16"`): half the KV bytes that a
 decode step reads, the precision of vllm_bf16's weights and KV (its activations stay f32).
 
+`paxkv_bf16_int8_kv` is paxkv_bf16 with an int8 KV pool (`kv_cache_dtype="int8"`: a bf16 scale per token and KV
+head, K and V stored rotated): a quarter of f32's KV bytes, half of bf16's, at the quality scripts/eval_kv_quality.py
+measures; not an equal-precision peer.
+
 `paxkv_int8` is this checkout with int8 weights (`quantization="int8"`: an f32 scale and min per 32 contraction
 rows and column, f32 activations, sums and KV): 31% of f32's weight bytes per decode step, not an equal-precision
 peer either, and left out of the first-tokens check for the same reason (eval_weight_quality.py measures its
@@ -86,6 +90,7 @@ SYSTEMS = (
     "paxkv",
     "paxkv_bf16",
     "paxkv_bf16_kv",
+    "paxkv_bf16_int8_kv",
     "paxkv_int8",
     "paxkv_baseline",
     "paxkv_baseline_bf16",
@@ -99,6 +104,7 @@ SYSTEMS = (
 NOT_EQUAL_PRECISION = (
     "paxkv_bf16",
     "paxkv_bf16_kv",
+    "paxkv_bf16_int8_kv",
     "paxkv_int8",
     "paxkv_baseline_bf16",
     "paxkv_baseline_bf16_kv",
@@ -136,7 +142,7 @@ def _worker_spec(system: str, model: str, sources: dict, flag_values) -> dict:
         max_num_batched_tokens=flag_values.max_num_batched_tokens,
         kv_cache_mib=flag_values.paxkv_kv_cache_mib,
         weights_dtype="bfloat16" if "bf16" in system else "float32",
-        kv_cache_dtype="bfloat16" if system.endswith("_bf16_kv") else "auto",
+        kv_cache_dtype={"_bf16_kv": "bfloat16", "_int8_kv": "int8"}.get(system[-8:], "auto"),
         quantization="int8" if system == "paxkv_int8" else None,
         tokens_per_request=flag_values.prompt_len + flag_values.new_tokens + 16,
     )

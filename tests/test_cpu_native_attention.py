@@ -67,16 +67,16 @@ def _kernel_builds():
     assert native_library.native_kernel_error() is None, native_library.native_kernel_error()
 
 
-# The plain-pool kernel cases (every batch kind, page size, head_dim and GQA ratio among them), and one 8-bit
-# case: 8-bit pools keep the reference's reader inside the same path.
-NATIVE_CASES = [case for case in CASES if case[0] in ("float32", "bfloat16")] + [("int8", "mixed", 32, 64, 2)]
+# The plain-pool kernel cases (every batch kind, page size, head_dim and GQA ratio among them), and one FP8 case:
+# FP8 pools keep the reference's reader inside the same path (int8 pools: test_cpu_native_attention_int8.py).
+NATIVE_CASES = [case for case in CASES if case[0] in ("float32", "bfloat16")] + [("float8_e4m3fn", "mixed", 16, 64, 8)]
 
 
 @pytest.mark.parametrize("kv_read", ["per_token", "auto"])
 @pytest.mark.parametrize("kv_dtype,kind,page_size,head_dim,group", NATIVE_CASES)
 def test_native_kernel_matches_the_reference(kv_dtype, kind, page_size, head_dim, group, kv_read):
     """Reading per token throughout, or as `auto` reads plain pools (every token by the kernel: the same call) and
-    the 8-bit case (decode blocks by the kernel's reader, prefill blocks by the reference's matmuls)."""
+    the FP8 case (decode blocks by the jnp reader, prefill blocks by the reference's matmuls)."""
     seed = CASES.index((kv_dtype, kind, page_size, head_dim, group))
     _check(standard_case(seed, kv_dtype, kind, page_size, head_dim, group), kv_read=kv_read)
 
