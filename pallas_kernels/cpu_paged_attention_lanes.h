@@ -81,6 +81,39 @@ inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, c
     }
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r) scores[r][0] = SumEachLaneOfHalves(partial[r]);
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    // Each key's integers widened once for all the rows (slot by slot: its vectors, then each row's dot product),
+    // where the loop below, a row at a time, would widen them once per row.
+    Vec q[kRows][kChunks];
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 16
+      for (int c = 0; c < kChunks; ++c) q[r][c] = LoadVec(q_rows[r] + c * kLanes);
+    }
+    Vec partial[kRows][kSlotSpan];
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < kSlotSpan; ++j) {
+      Vec key[kChunks];
+      if (j < n) {
+#pragma GCC unroll 16
+        for (int c = 0; c < kChunks; ++c) key[c] = LoadValues(keys + j * row_width + c * kLanes);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) {
+        Vec dot = {};
+        if (j < n) {
+#pragma GCC unroll 16
+          for (int c = 0; c < kChunks; ++c) dot += q[r][c] * key[c];
+        }
+        partial[r][j] = dot;
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      for (int64_t b = 0; b < kSlotVecs; ++b) {
+        scores[r][b] = SumEachLane(partial[r] + b * kLanes) * LoadVec(scales + b * kLanes);
+      }
+    }
   } else {
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r) {
