@@ -28,9 +28,10 @@ constexpr int64_t kScoreVecs = 2;
 // One work item's buffers, kept per thread: rows across lanes, `width` lanes per row of each. A bf16 pool's run keeps
 // its queries in q_t and its softmax weights in weight_pairs as bf16 pairs (see below), the bits in f32 slots.
 struct TiledScratch {
-  std::vector<float> q_t, out, weights, weight_pairs, block_keys, block_values, block_max, running_max, running_sum,
-      rescale;
+  std::vector<float> q_t, out, weights, weight_pairs, block_values, block_max, running_max, running_sum, rescale,
+      block_scales;
   std::vector<int32_t> starts, ends, row_offsets;
+  std::vector<uint16_t> block_key_bits, block_value_bits;  // an int8 pool's block, its integers as bf16
 };
 
 // A bf16 pool's tiles multiply bf16 pairs (DotPairs: VDPBF16PS on AVX-512 BF16): the queries are rounded to bf16
@@ -45,9 +46,10 @@ struct TiledScratch {
 // the lane's largest score here.
 // A bf16 pool's q_t holds [D / 2][width] pairs of head dims (2k low, 2k + 1 high), and its keys are taken a pair at a
 // time as they lie in the page.
+// key_scales, unless null, scales each slot's scores (an int8 pool's K scales, per slot of the page).
 template <typename T>
 void ScoreSlots(const float* q_t, const T* keys, int64_t row_width, int64_t D, int64_t width, int64_t lanes,
-                int64_t lo, int64_t hi, float* weights, float* lane_max) {
+                int64_t lo, int64_t hi, float* weights, float* lane_max, const float* key_scales) {
   constexpr bool kPairs = std::is_same_v<T, uint16_t>;
   for (int64_t v0 = 0; v0 < lanes; v0 += kScoreVecs * kLanes) {
     Vec tile_max[kScoreVecs];
@@ -72,6 +74,12 @@ void ScoreSlots(const float* q_t, const T* keys, int64_t row_width, int64_t D, i
 #pragma GCC unroll 3
             for (int64_t c = 0; c < kScoreVecs; ++c) acc[j][c] += key * q_vecs[c];
           }
+        }
+      }
+      if (key_scales != nullptr) {
+        for (int64_t j = 0; j < kScoreTileSlots; ++j) {
+          const Vec scale = Splat(key_scales[std::min(s0 + j, hi - 1)]);
+          for (int64_t c = 0; c < kScoreVecs; ++c) acc[j][c] *= scale;
         }
       }
       // (Slots past hi repeat slot hi - 1's score, so they leave the max as it is.)
@@ -171,9 +179,13 @@ void AccumulateValues(const float* weights, const float* values, int64_t D, int6
   }
 }
 
-// An int8 row of D values (a multiple of kLanes) times its scale, into f32: exact (an 8-bit integer times a bf16).
-inline void DequantizeRow(const int8_t* row, float scale, int64_t D, float* out) {
-  for (int64_t d = 0; d < D; d += kLanes) StoreVec(out + d, LoadValues(row + d) * Splat(scale));
+// An int8 row's D integers (a multiple of kLanes) as bf16, exactly (a magnitude up to 128 has 8 significant bits).
+inline void IntegersAsBf16(const int8_t* row, int64_t D, uint16_t* out) {
+  alignas(64) float widened[kLanes];
+  for (int64_t d = 0; d < D; d += kLanes) {
+    StoreVec(widened, LoadValues(row + d));
+    RoundToBf16s(widened, kLanes, out + d);
+  }
 }
 
 // The K (high half) or V (low half) scale in an int8 pool's scale word (ScaleWords).
@@ -186,15 +198,16 @@ inline float ScaleOf(uint32_t word, bool key) {
 
 // AttendRun's contract for a run of kMinTiledRunTokens to kMaxTiledRunTokens tokens, without a soft cap, and
 // head_dim a multiple of kLanes. Row r = i * G + g of the run is lane r of every [.][width] buffer, and row r of
-// out[width][D]. Over an int8 pool (T = int8_t, with its scales) each block's keys and values are dequantized into
-// f32 first (a key once per band, amortized over the band's rows), and the f32 arithmetic runs on them: the same bits
-// as over an f32 pool of the dequantized values.
+// out[width][D]. Over an int8 pool (T = int8_t, with its scales) the tiles multiply bf16 pairs as over a bf16 pool:
+// each block's integers are copied as bf16 (exact; a key once per band, amortized over the band's rows), each score
+// is scaled by its key's K scale, and each softmax weight by its value's V scale before it is rounded to bf16.
 template <typename T>
 void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32_t* block_tables, int64_t first_token,
                     int64_t count, int64_t kv_head, int32_t row, const int32_t* positions, const int32_t* kv_lens,
                     int64_t sliding_window, float* out, const ScaleWords& scales) {
-  constexpr bool kPairs = std::is_same_v<T, uint16_t>;
   constexpr bool kInt8 = std::is_same_v<T, int8_t>;
+  constexpr bool kPairs = std::is_same_v<T, uint16_t> || kInt8;
+  using PairT = std::conditional_t<kInt8, uint16_t, T>;  // what the tiles read: an int8 pool's block as bf16
   const int64_t G = s.group, D = s.head_dim, P = s.page_size, num_rows = count * G;
   const int64_t tile_rows = kScoreVecs * kLanes, width = (num_rows + tile_rows - 1) / tile_rows * tile_rows;
   thread_local TiledScratch scratch;
@@ -206,7 +219,11 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
   scratch.weights.resize(block_slots * width);
   if constexpr (kPairs) scratch.weight_pairs.resize((block_slots + 1) / 2 * width);
   scratch.block_values.resize(block_slots * D);
-  if constexpr (kInt8) scratch.block_keys.resize(block_slots * D);
+  if constexpr (kInt8) {
+    scratch.block_key_bits.resize(block_slots * D);
+    scratch.block_value_bits.resize(block_slots * D);
+    scratch.block_scales.resize(2 * block_slots);
+  }
   scratch.block_max.resize(kBandLanes);
   scratch.running_max.assign(width, kMaskValue);
   scratch.running_sum.assign(width, 0.0f);
@@ -223,7 +240,12 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
   float* weights = scratch.weights.data();
   float* weight_pairs = scratch.weight_pairs.data();  // empty but for a bf16 pool
   float* block_values = scratch.block_values.data();
-  float* block_keys = scratch.block_keys.data();  // [block_slots][D]: an int8 pool's dequantized keys (else empty)
+  // An int8 pool's block (else empty): its keys' and values' integers as bf16, [block_slots][D] each, and the slots'
+  // K scales, then their V scales.
+  uint16_t* block_key_bits = scratch.block_key_bits.data();
+  uint16_t* block_value_bits = scratch.block_value_bits.data();
+  float* key_scales = scratch.block_scales.data();
+  float* value_scales = key_scales + block_slots;
   float* block_max = scratch.block_max.data();  // [band lanes]: the block's largest score each
   float* running_max = scratch.running_max.data();
   float* running_sum = scratch.running_sum.data();
@@ -296,16 +318,17 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
       for (int64_t page = lo / P; page * P < hi; ++page) {
         const int64_t page_lo = std::max(lo, page * P) - page * P, page_hi = std::min(hi, (page + 1) * P) - page * P;
         if constexpr (kInt8) {
-          float* keys = block_keys + page * P * D;  // [P][D], slots [page_lo, page_hi) filled
+          uint16_t* keys = block_key_bits + page * P * D;  // [P][D], slots [page_lo, page_hi) filled
           for (int64_t slot = page_lo; slot < page_hi; ++slot) {
-            DequantizeRow(page_of_block[page] + slot * s.row_width + 2 * kv_head * D,
-                          ScaleOf(scales_of_block[page][slot], true), D, keys + slot * D);
+            IntegersAsBf16(page_of_block[page] + slot * s.row_width + 2 * kv_head * D, D, keys + slot * D);
+            key_scales[page * P + slot] = ScaleOf(scales_of_block[page][slot], true);
+            value_scales[page * P + slot] = ScaleOf(scales_of_block[page][slot], false);
           }
-          ScoreSlots(q_t + band, static_cast<const float*>(keys), D, D, width, band_end - band, page_lo, page_hi,
-                     weights + page * P * width + band, block_max);
+          ScoreSlots(q_t + band, static_cast<const uint16_t*>(keys), D, D, width, band_end - band, page_lo, page_hi,
+                     weights + page * P * width + band, block_max, key_scales + page * P);
         } else {
           ScoreSlots(q_t + band, page_of_block[page] + 2 * kv_head * D, s.row_width, D, width,
-                     band_end - band, page_lo, page_hi, weights + page * P * width + band, block_max);
+                     band_end - band, page_lo, page_hi, weights + page * P * width + band, block_max, nullptr);
         }
       }
       for (int64_t v = band; v < band_end; v += kLanes) {
@@ -336,9 +359,13 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
         };
         if constexpr (kPairs) {  // slots (lo, lo + 1), (lo + 2, lo + 3) ... as bf16 pairs, an odd last one with a 0
           for (int64_t slot = lo; slot < hi; slot += 2) {
-            const Vec low = weight_of(slot), high = slot + 1 < hi ? weight_of(slot + 1) : Splat(0.0f);
+            Vec low = weight_of(slot), high = slot + 1 < hi ? weight_of(slot + 1) : Splat(0.0f);
             sum += low;
             sum += high;
+            if constexpr (kInt8) {  // the values' scales, after the sum
+              low *= Splat(value_scales[slot]);
+              high *= Splat(slot + 1 < hi ? value_scales[slot + 1] : 0.0f);
+            }
             StoreVec(weight_pairs + (slot - lo) / 2 * width + v, PackPairs(low, high));
           }
         } else {
@@ -353,13 +380,23 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
         StoreVec(rescales + v, rescale);
       }
       // The block's values, [hi - lo][D] (or [(hi - lo + 1) / 2][D] bf16 pairs), from its pages' rows.
-      auto value_row = [&](int64_t slot) {
+      auto pool_value_row = [&](int64_t slot) {
         return page_of_block[slot / P] + (slot % P) * s.row_width + (2 * kv_head + 1) * D;
       };
+      auto value_row = [&](int64_t slot) -> const PairT* {
+        if constexpr (kInt8) {
+          return block_value_bits + slot * D;
+        } else {
+          return pool_value_row(slot);
+        }
+      };
+      if constexpr (kInt8) {
+        for (int64_t slot = lo; slot < hi; ++slot) IntegersAsBf16(pool_value_row(slot), D, block_value_bits + slot * D);
+      }
       if constexpr (kPairs) {
         for (int64_t slot = lo; slot < hi; slot += 2) {  // an odd last slot pairs with itself, under a weight of zero
-          const T* first_row = value_row(slot);
-          const T* second_row = slot + 1 < hi ? value_row(slot + 1) : first_row;
+          const PairT* first_row = value_row(slot);
+          const PairT* second_row = slot + 1 < hi ? value_row(slot + 1) : first_row;
           float* pair_row = block_values + (slot - lo) / 2 * D;
           int64_t c = 0;
           for (; c + 2 <= D / kLanes; c += 2) {
@@ -377,14 +414,7 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
         AccumulateValues<true>(weight_pairs, block_values, D, width, band, band_end, (hi - lo + 1) / 2,
                                rescales, out_rows);
       } else {
-        for (int64_t slot = lo; slot < hi; ++slot) {
-          if constexpr (kInt8) {
-            DequantizeRow(value_row(slot), ScaleOf(scales_of_block[slot / P][slot % P], false), D,
-                          block_values + (slot - lo) * D);
-          } else {
-            std::copy_n(value_row(slot), D, block_values + (slot - lo) * D);
-          }
-        }
+        for (int64_t slot = lo; slot < hi; ++slot) std::copy_n(value_row(slot), D, block_values + (slot - lo) * D);
         AccumulateValues<false>(weights + lo * width, block_values, D, width, band, band_end, hi - lo,
                                 rescales, out_rows);
       }
