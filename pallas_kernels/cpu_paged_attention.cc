@@ -23,9 +23,9 @@
 //   across head_dim and the value tile (6 rows by 64 output dims) across a block of pages' slots (64 positions,
 //   aligned to multiples of 64 so that a token's arithmetic never depends on its band), and the rows go through
 //   the blocks 96 at a time, so that their queries, sums and weights stay in the cache.
-// An int8 pool (AttendInt8: its values' bits and its scale words) takes the short-run path for every run, cut every
-// kMaxRunTokens tokens, head_dim 32, 64 or 128: f32 arithmetic on the integers, with each span's K scales applied to
-// its scores and V scales to its weights (the values are read at half a bf16 pool's bytes; the widening is the cost).
+// An int8 pool (AttendInt8: its values' bits and its scale words; head_dim 32, 64 or 128) takes the same paths: short
+// runs f32 arithmetic on the integers, each span's K scales applied to its scores and V scales to its weights;
+// prompt chunks the tiled path's bf16 pairs, its blocks' integers copied as bf16 (exact) and scaled alike.
 // Within one path each token's arithmetic is the same whatever run it is in. Every path reads f32 and bf16 pools
 // exactly and sums in f32. Over a bf16 pool the two vectorized paths (AttendRunTiled, AttendRunLanes) multiply bf16
 // pairs (DotPairs: VDPBF16PS on AVX-512 BF16, two multiply-adds per lane and instruction), rounding the queries and

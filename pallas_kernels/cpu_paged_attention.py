@@ -9,9 +9,10 @@ its tiled path, a matrix-product-shaped loop over each page: SmolLM2's 2048-toke
 layer there, against about 107 ms by the reference's 128 x 128 blocks (BUILD.md). Over a bf16 pool the tiled path,
 and the short-run path of head_dim 32, 64 and 128, multiply bf16 pairs (queries and softmax weights rounded to bf16,
 exact products, f32 sums), within 2^-8 of the reference; every other token matches the reference's f32 arithmetic
-but for the order of its sums. An int8 pool's tokens all take the short-run path (prompts in runs of 16), its f32
-arithmetic on the stored integers: each key's dot product times its K scale, each softmax weight times its V scale,
-where the reference multiplies the dequantized values (the same products, rounded in another order).
+but for the order of its sums. Over an int8 pool the short runs multiply the stored integers in f32, each key's dot
+product times its K scale and each softmax weight times its V scale (where the reference multiplies the dequantized
+values: the same products, rounded in another order), and the tiled path multiplies bf16 pairs as over a bf16 pool
+(the integers are exact in bf16; scores times K scales, weights times V scales before their rounding).
 
 The kernel is part of the native library (pallas_kernels/native_library.py), built on first use; where it cannot be
 built, `native_kernel_error()` says why and `auto` keeps the pure-jnp reference.
