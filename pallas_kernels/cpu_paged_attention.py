@@ -53,7 +53,7 @@ def _native_reader(q, kv_pages, block_tables, tokens, sliding_window, soft_cap):
     num_kv_heads_of(kv_pages, q.shape[-1])  # checks the pool's width against head_dim
     target, _ = ATTENTION_TARGETS[jnp.dtype(kv_pages.dtype)]
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    # An int8 pool passes its values' bits and its scale words (the kernel dequantizes each span it reads).
+    # An int8 pool passes its values' bits and its scale words (the kernel applies the scales as it reads).
     pool = (kv_pages.pages, kv_pages.scales) if isinstance(kv_pages, QuantizedKVPages) else (kv_pages,)
     return call(
         q.astype(jnp.float32),

@@ -90,6 +90,26 @@ def test_quantized_pool_shards_its_scales_with_its_heads(eight_kv_heads, kv_cach
     assert layer.num_groups == 4 and layer.scales.addressable_shards[0].data.shape[1] == 1
 
 
+def test_int8_pool_read_by_the_native_cpu_kernel_shards_with_its_heads(tiny_llama_checkpoint):
+    """An int8 pool of head_dim 32, which the native CPU kernel reads (scores and weights scaled per slot), split
+    over model = 2: each shard's kernel reads its own heads' scale group, and the greedy tokens are one device's."""
+    path = tiny_llama_checkpoint(
+        hidden_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        intermediate_size=256,
+        initializer_range=0.1,
+    )
+    single = models.load(path, require_tokenizer=False)
+    assert single.model.native_matmul  # auto resolved to cpu_native: the kernel reads the int8 pool
+    prompts = _prompts(single.config.vocab_size)
+    _, expected = _greedy(single, prompts, kv_cache_dtype="int8")
+    engine, tokens = _greedy(_on_mesh(path, 2), prompts, kv_cache_dtype="int8")
+    assert tokens == expected
+    assert engine.kv_caches[0].num_groups == 2
+
+
 @pytest.mark.parametrize("attention_impl", ["interpret_gpu", "interpret_tpu"])
 def test_pallas_kernels_run_per_shard_under_the_mesh(eight_kv_heads, attention_impl):
     """The Pallas path runs inside shard_map (models.sharding.attention_on_mesh) and matches the XLA path."""
