@@ -174,3 +174,13 @@ def relative_error(out, ref, num_live_tokens: int) -> float:
     out = np.asarray(out, np.float64)[:num_live_tokens]
     ref = np.asarray(ref, np.float64)[:num_live_tokens]
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def tokens_of_long_chunks(case: AttentionCase, min_tokens: int) -> np.ndarray:
+    """bool[T]: the tokens of sequences that bring at least min_tokens new tokens in this batch."""
+    chunk = np.zeros(case.q.shape[0], bool)
+    cu_q_lens = np.asarray(case.metadata.cu_q_lens)
+    for seq in range(int(np.asarray(case.metadata.num_seqs)[0])):
+        if cu_q_lens[seq + 1] - cu_q_lens[seq] >= min_tokens:
+            chunk[cu_q_lens[seq] : cu_q_lens[seq + 1]] = True
+    return chunk

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_cases import CASES, make_case, relative_error, standard_case
+from kernel_cases import CASES, make_case, relative_error, standard_case, tokens_of_long_chunks
 
 from pallas_kernels import cpu_paged_attention as native
 from pallas_kernels import native_library, ragged_paged_attention_reference, resolve_attention_impl
@@ -43,11 +43,7 @@ def _paired_tokens(case, soft_cap=None) -> np.ndarray:
         return ~paired  # every run: tiled or short
     if soft_cap is not None:
         return paired  # the tiled path takes no soft cap
-    cu_q_lens = np.asarray(case.metadata.cu_q_lens)
-    for seq in range(int(np.asarray(case.metadata.num_seqs)[0])):
-        if cu_q_lens[seq + 1] - cu_q_lens[seq] >= MIN_TILED_RUN_TOKENS:
-            paired[cu_q_lens[seq] : cu_q_lens[seq + 1]] = True
-    return paired
+    return tokens_of_long_chunks(case, MIN_TILED_RUN_TOKENS)
 
 
 def _check(case, **options):

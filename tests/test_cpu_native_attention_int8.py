@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_cases import CASES, make_case, relative_error, standard_case
+from kernel_cases import CASES, make_case, relative_error, standard_case, tokens_of_long_chunks
 
 from pallas_kernels import cpu_paged_attention as native
 from pallas_kernels import native_library, ragged_paged_attention_reference
@@ -47,14 +47,9 @@ def _native_calls(case, **options) -> int:
 
 def _tiled_tokens(case, soft_cap=None) -> np.ndarray:
     """bool[T]: a superset of the tokens on the tiled path (a chunk's last few tokens can form a short run)."""
-    tiled = np.zeros(case.q.shape[0], bool)
     if soft_cap is not None:
-        return tiled  # the tiled path takes no soft cap
-    cu_q_lens = np.asarray(case.metadata.cu_q_lens)
-    for seq in range(int(np.asarray(case.metadata.num_seqs)[0])):
-        if cu_q_lens[seq + 1] - cu_q_lens[seq] >= MIN_TILED_RUN_TOKENS:
-            tiled[cu_q_lens[seq] : cu_q_lens[seq + 1]] = True
-    return tiled
+        return np.zeros(case.q.shape[0], bool)  # the tiled path takes no soft cap
+    return tokens_of_long_chunks(case, MIN_TILED_RUN_TOKENS)
 
 
 def _largest_value(pool: QuantizedKVPages) -> float:
