@@ -51,7 +51,7 @@ constexpr int64_t QueryWidth(int64_t D) {
 // next_rows, unless null, is this KV head's first row in the same slots of the row's next page: as each value row is
 // read, the same slot's K and V rows there are prefetched (PrefetchSlotRows).
 //
-// scales, for an int8 pool, are the span's K scales [kSlotSpan] and then its V scales [kSlotSpan] (null otherwise): a
+// scales, for an int8 pool, are the span's K scales [kSlotSpan] and then its V scales [kSlotSpan] (else null): a
 // score is the key's integer dot product times its K scale, and a weight is multiplied by its V scale before it
 // meets the value's integers (the softmax sum takes the weight as it was).
 template <int kChunks, int kRows, typename T>
@@ -140,7 +140,6 @@ inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, c
           partial[j] = dot;
         }
         scores[r][b] = SumEachLane(partial);  // lane j: slot b * kLanes + j's score
-        if (scales != nullptr) scores[r][b] *= LoadVec(scales + b * kLanes);
       }
     }
   }
@@ -176,7 +175,7 @@ inline void AttendSlotSpan(const float* const (&q_rows)[kRows], const T* keys, c
       Vec weights = Exp(scores[r][b] - Splat(new_max));
       weights = visible[b] ? weights : Vec{};
       total += weights;
-      if (scales != nullptr) weights *= LoadVec(scales + kSlotSpan + b * kLanes);  // after the sum: V's scales
+      if constexpr (std::is_same_v<T, int8_t>) weights *= LoadVec(scales + kSlotSpan + b * kLanes);  // after the sum
       StoreVec(weight[r] + b * kLanes, weights);
     }
     running_sum[r] = running_sum[r] * rescale[r] + HorizontalSum(total);
