@@ -238,7 +238,7 @@ void AttendRunTiled(const Shapes& s, const float* q, const T* pages, const int32
   float* q_t = scratch.q_t.data();
   float* out_rows = scratch.out.data();
   float* weights = scratch.weights.data();
-  float* weight_pairs = scratch.weight_pairs.data();  // empty but for a bf16 pool
+  float* weight_pairs = scratch.weight_pairs.data();  // empty but for a bf16 or int8 pool (pairs)
   float* block_values = scratch.block_values.data();
   // An int8 pool's block (else empty): its keys' and values' integers as bf16, [block_slots][D] each, and the slots'
   // K scales, then their V scales.
