@@ -32,6 +32,7 @@ SOURCES = tuple(
         "cpu_gated_mlp.cc",
         "cpu_greedy_token.cc",
         "cpu_kv_write.cc",
+        "cpu_hadamard.cc",
     )
 )
 # The headers they include from beside themselves: part of the library's cache key.
@@ -87,6 +88,8 @@ GATED_MLP_TARGETS = {
 GREEDY_TOKEN_TARGET = ("paxkv_cpu_greedy_tokens", "PaxkvCpuGreedyTokens")
 # FFI target and library symbol of the in-place KV write (plain bf16 pools).
 KV_WRITE_TARGET = ("paxkv_cpu_write_kv_rows", "PaxkvCpuWriteKvRows")
+# FFI target and library symbol of the 8-bit KV rotation (f32 rows times a normalized Hadamard matrix).
+HADAMARD_TARGET = ("paxkv_cpu_hadamard_rows", "PaxkvCpuHadamardRows")
 
 
 def _cache_dir() -> str:
@@ -178,6 +181,7 @@ def load() -> str | None:
                 *GATED_MLP_TARGETS.values(),
                 GREEDY_TOKEN_TARGET,
                 KV_WRITE_TARGET,
+                HADAMARD_TARGET,
             )
             for target, symbol in targets:
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")

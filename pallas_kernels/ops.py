@@ -126,9 +126,10 @@ def paged_attention(
     """
     attention_impl = resolve_attention_impl(attention_impl)
     quantized = isinstance(kv_pages, QuantizedKVPages)
+    native = attention_impl == "cpu_native"
     if quantized:
-        q, k, v = rotate(q), rotate(k), rotate(v)
-    kv_pages = write_kv(kv_pages, k, v, metadata.slots, native=attention_impl == "cpu_native")
+        q, k, v = rotate(q, native=native), rotate(k, native=native), rotate(v, native=native)
+    kv_pages = write_kv(kv_pages, k, v, metadata.slots, native=native)
     out = ragged_attention(
         q,
         kv_pages,
@@ -138,4 +139,4 @@ def paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
     )
-    return (unrotate(out) if quantized else out), kv_pages
+    return (unrotate(out, native=native) if quantized else out), kv_pages

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.cpu_hadamard import hadamard_rows_cpu, turns_natively
+
 QUANTIZED_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8)
 # Scale words per page row are padded to whole TPU lane tiles.
 LANE_TILE = 128
@@ -223,13 +225,23 @@ def rotation_matrix(head_dim: int) -> np.ndarray:  # f32[head_dim, head_dim]
     return matrix
 
 
-def rotate(x: jax.Array) -> jax.Array:  # [..., D] -> [..., D]
-    """x turned by rotation_matrix (x @ R), in f32 and cast back to x's dtype."""
+def rotate(x: jax.Array, *, native: bool = False) -> jax.Array:  # [..., D] -> [..., D]
+    """x turned by rotation_matrix (x @ R), in f32 and cast back to x's dtype.
+
+    Args:
+      x: rows to turn.
+      native: the model runs the native CPU kernels: a power-of-two D goes through cpu_hadamard's butterflies
+        instead of a dot with R (the same values up to f32 rounding).
+    """
+    if native and turns_natively(x.shape[-1]):
+        return hadamard_rows_cpu(x)
     matrix = jnp.asarray(rotation_matrix(x.shape[-1]))
     return jnp.einsum("...d,de->...e", x.astype(jnp.float32), matrix).astype(x.dtype)
 
 
-def unrotate(x: jax.Array) -> jax.Array:  # [..., D] -> [..., D]
-    """The inverse of rotate (x @ R^T)."""
+def unrotate(x: jax.Array, *, native: bool = False) -> jax.Array:  # [..., D] -> [..., D]
+    """The inverse of rotate (x @ R^T); `native` as for rotate (a normalized Hadamard matrix is its own inverse)."""
+    if native and turns_natively(x.shape[-1]):
+        return hadamard_rows_cpu(x)
     matrix = jnp.asarray(rotation_matrix(x.shape[-1]))
     return jnp.einsum("...e,de->...d", x.astype(jnp.float32), matrix).astype(x.dtype)
