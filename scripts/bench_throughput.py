@@ -65,8 +65,9 @@ Llama is skipped, and `skipped` says so), and its completions are text, so its t
 
 --baseline names another checkout of paxkv (an earlier commit, say): its system `paxkv_baseline` runs this
 checkout's worker with that checkout first on PYTHONPATH, so both load `paxkv` from their own tree
-(`paxkv_baseline_bf16`: the same with bf16 weights, `paxkv_baseline_bf16_kv` with bf16 weights and KV). Every reply
-carries a digest of all its generated tokens; `tokens_identical_to_paxkv` says, per model, batch and system,
+(`paxkv_baseline_bf16`: the same with bf16 weights, `paxkv_baseline_bf16_kv` with bf16 weights and KV,
+`paxkv_baseline_bf16_int8_kv` with bf16 weights and int8 KV). Every reply carries a digest of all its generated
+tokens; `tokens_identical_to_paxkv` says, per model, batch and system,
 whether it generated exactly paxkv's tokens for every prompt of the first timed call.
 
 Writes <out>.json, <out>.md and, with matplotlib (the `bench` extra), <out>.png: tok/s against batch size per system,
@@ -95,6 +96,7 @@ SYSTEMS = (
     "paxkv_baseline",
     "paxkv_baseline_bf16",
     "paxkv_baseline_bf16_kv",
+    "paxkv_baseline_bf16_int8_kv",
     "transformers",
     "vllm",
     "vllm_bf16",
@@ -108,6 +110,7 @@ NOT_EQUAL_PRECISION = (
     "paxkv_int8",
     "paxkv_baseline_bf16",
     "paxkv_baseline_bf16_kv",
+    "paxkv_baseline_bf16_int8_kv",
     "vllm_bf16",
     "llamacpp",
 )

@@ -10,20 +10,25 @@ WEIGHT_BYTES = {
     "paxkv_baseline_bf16": 2,
     "paxkv_baseline_bf16_kv": 2,
     "vllm_bf16": 2,
+    "paxkv_bf16_int8_kv": 2,
+    "paxkv_baseline_bf16_int8_kv": 2,
     "paxkv_int8": 1 + 2 * 4 / 32,  # a level, plus an f32 scale and min per 32 contraction rows and column
 }  # bytes a weight reads of each system; 4 (f32) unless named; llama.cpp's are its own
-# Systems whose KV pool holds bf16: the share of paxkv's (f32) KV bytes per token that they read.
+# Systems whose KV pool holds bf16: the share of paxkv's (f32) KV bytes per token that they read. An 8-bit pool's
+# share depends on head_dim (its scales), so its rows take the bytes its own worker reports (pool_bytes_per_token).
 KV_BYTES_SHARE = {"paxkv_bf16_kv": 0.5, "paxkv_baseline_bf16_kv": 0.5, "vllm_bf16": 0.5}
 # paxkv with narrower weights than f32: each gets a column of its speed over every other system's.
 NARROW_PAXKV = ("paxkv_bf16", "paxkv_bf16_kv", "paxkv_int8")
 
 
 def record_model_facts(result: dict, model: str, system: str, ready: dict) -> None:
-    """Keep the model's shape and its f32 KV bytes a token (what KV_BYTES_SHARE scales) from a paxkv worker's ready
-    message, so that the roofline shares have them whichever paxkv systems ran; paxkv's own f32 pool wins.
+    """Keep the model's shape, the worker's own KV bytes a token, and the f32 KV bytes a token (what KV_BYTES_SHARE
+    scales) from a paxkv worker's ready message, so that the roofline shares have them whichever paxkv systems ran;
+    paxkv's own f32 pool wins, and an 8-bit pool (whose share of f32 is not a constant) gives only its own.
 
     Args:
-      result: the benchmark's result (its "model_shape" and "kv_bytes_per_token" maps are filled in).
+      result: the benchmark's result (its "model_shape", "kv_bytes_per_token" and "pool_bytes_per_token" maps are
+        filled in).
       model, system: the worker's model and system.
       ready: its ready message (kv_bytes_per_token of its own pool, and the model's shape).
     """
@@ -31,6 +36,9 @@ def record_model_facts(result: dict, model: str, system: str, ready: dict) -> No
         return
     if ready.get("shape"):
         result["model_shape"].setdefault(model, ready["shape"])
+    result.setdefault("pool_bytes_per_token", {}).setdefault(model, {})[system] = ready["kv_bytes_per_token"]
+    if system.endswith("_int8_kv"):
+        return
     if system == "paxkv" or model not in result["kv_bytes_per_token"]:
         result["kv_bytes_per_token"][model] = round(ready["kv_bytes_per_token"] / KV_BYTES_SHARE.get(system, 1.0))
 
@@ -57,10 +65,11 @@ def roofline_shares(row: dict, params: int | None, kv_bytes_per_token: int | Non
     if row.get("prefill_tokens_per_s"):
         shares["prefill_roofline_share"] = 2 * prompt_weights * row["prefill_tokens_per_s"] / ceiling
     bandwidth = (result.get("read_bandwidth_gbs") or 0) * 1e9  # bytes/s
-    if row.get("decode_ms_per_step") and bandwidth and kv_bytes_per_token:
+    own_kv_bytes = result.get("pool_bytes_per_token", {}).get(row["model"], {}).get(row["system"])
+    if row.get("decode_ms_per_step") and bandwidth and (own_kv_bytes or kv_bytes_per_token):
         mean_context = row["prompt_len"] + row["new_tokens"] / 2
         weight_bytes = generated_weights * WEIGHT_BYTES.get(row["system"], 4)
-        kv_bytes = kv_bytes_per_token * KV_BYTES_SHARE.get(row["system"], 1.0)
+        kv_bytes = own_kv_bytes or kv_bytes_per_token * KV_BYTES_SHARE.get(row["system"], 1.0)
         step_bytes = weight_bytes + row["batch"] * mean_context * kv_bytes
         needed_s = max(2 * generated_weights * row["batch"] / ceiling, step_bytes / bandwidth)
         shares["decode_roofline_share"] = needed_s / (row["decode_ms_per_step"] / 1e3)

@@ -115,8 +115,12 @@ def test_throughput_report_takes_the_model_facts_from_any_paxkv_system(monkeypat
 
     record("vllm_bf16", 9)
     assert result == dict(model_shape={}, kv_bytes_per_token={})
+    # An int8 pool's bytes (values and scales) are no constant share of f32's: they stay its own.
+    record("paxkv_bf16_int8_kv", 264)
+    assert result["kv_bytes_per_token"] == {} and result["model_shape"] == {"smollm2": shape}
     record("paxkv_bf16_kv", 500)
-    assert result == dict(model_shape={"smollm2": shape}, kv_bytes_per_token={"smollm2": 1000})
+    assert result["kv_bytes_per_token"] == {"smollm2": 1000}
+    assert result["pool_bytes_per_token"] == {"smollm2": {"paxkv_bf16_int8_kv": 264, "paxkv_bf16_kv": 500}}
     record("paxkv", 1004)
     assert result["kv_bytes_per_token"] == {"smollm2": 1004}
     record("paxkv_int8", 7)
@@ -125,3 +129,10 @@ def test_throughput_report_takes_the_model_facts_from_any_paxkv_system(monkeypat
     row = dict(system="paxkv_bf16_kv", model="smollm2", prefill_tokens_per_s=1000.0)
     ceilings = dict(roofline_gflops=100.0, roofline_gflops_bf16=200.0, model_shape=result["model_shape"])
     assert throughput_report.roofline_shares(row, 1e8, None, ceilings)["prefill_roofline_share"] == pytest.approx(0.8)
+    # The int8 pool's decode share: 2e8 bytes of bf16 weights + 2 x 150 x 264 of its own KV at 10 GB/s (20.008 ms,
+    # above 2 ms of FLOPs), over its 100 ms step; paxkv's f32 KV bytes do not enter.
+    row = dict(system="paxkv_bf16_int8_kv", model="smollm2", batch=2, prompt_len=100, new_tokens=100)
+    row["decode_ms_per_step"] = 100.0
+    ceilings.update(read_bandwidth_gbs=10.0, pool_bytes_per_token=result["pool_bytes_per_token"])
+    shares = throughput_report.roofline_shares(row, 1e8, 1004, ceilings)
+    assert shares["decode_roofline_share"] == pytest.approx(0.200079)
