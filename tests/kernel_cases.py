@@ -184,3 +184,16 @@ def tokens_of_long_chunks(case: AttentionCase, min_tokens: int) -> np.ndarray:
         if cu_q_lens[seq + 1] - cu_q_lens[seq] >= min_tokens:
             chunk[cu_q_lens[seq] : cu_q_lens[seq + 1]] = True
     return chunk
+
+
+def one_prompt_metadata(page_size: int, length: int, pages=(1, 2, 3)) -> AttentionMetadata:
+    """One sequence's first `length` tokens as one chunk, written from slot 0 of its first page (page 1; the null page
+    0 unused)."""
+    first_slot = pages[0] * page_size
+    return AttentionMetadata(
+        slots=jnp.arange(first_slot, first_slot + length, dtype=jnp.int32),
+        block_tables=jnp.asarray([list(pages)], jnp.int32),
+        cu_q_lens=jnp.asarray([0, length], jnp.int32),
+        kv_lens=jnp.asarray([length], jnp.int32),
+        num_seqs=jnp.asarray([1], jnp.int32),
+    )

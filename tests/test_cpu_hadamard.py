@@ -5,8 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_cases import one_prompt_metadata
 
-from pallas_kernels import AttentionMetadata, empty_quantized_pages, native_library, paged_attention
+from pallas_kernels import empty_quantized_pages, native_library, paged_attention
 from pallas_kernels.cpu_hadamard import MAX_WIDTH, hadamard_rows_cpu, turns_natively
 from pallas_kernels.quantization import dequantize_pages, rotate, rotation_matrix, unrotate
 
@@ -86,13 +87,7 @@ def test_paged_attention_under_cpu_native_turns_with_the_kernel_and_stores_rotat
         jnp.asarray(rng.standard_normal((length, heads, head_dim)), jnp.float32)
         for heads in (num_kv_heads * group, num_kv_heads, num_kv_heads)
     )
-    metadata = AttentionMetadata(
-        slots=jnp.arange(page_size, page_size + length, dtype=jnp.int32),
-        block_tables=jnp.asarray([[1, 2, 3]], jnp.int32),
-        cu_q_lens=jnp.asarray([0, length], jnp.int32),
-        kv_lens=jnp.asarray([length], jnp.int32),
-        num_seqs=jnp.asarray([1], jnp.int32),
-    )
+    metadata = one_prompt_metadata(page_size, length)
 
     def attend(impl):
         pool = empty_quantized_pages(4, page_size, num_kv_heads, head_dim, jnp.int8)

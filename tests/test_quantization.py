@@ -3,9 +3,9 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_cases import one_prompt_metadata
 
 from pallas_kernels import (
-    AttentionMetadata,
     QuantizedKVPages,
     empty_quantized_pages,
     paged_attention,
@@ -126,13 +126,7 @@ def test_rotated_quantized_attention_matches_plain_attention(dtype, bound):
     k = rng.standard_normal((length, num_kv_heads, head_dim)).astype(np.float32)
     v = rng.standard_normal((length, num_kv_heads, head_dim)).astype(np.float32)
     k[..., 5] += 30.0  # an outlier channel, as real keys have
-    metadata = AttentionMetadata(
-        slots=jnp.arange(page_size, page_size + length, dtype=jnp.int32),
-        block_tables=jnp.asarray([[1, 2, 3]], jnp.int32),
-        cu_q_lens=jnp.asarray([0, length], jnp.int32),
-        kv_lens=jnp.asarray([length], jnp.int32),
-        num_seqs=jnp.asarray([1], jnp.int32),
-    )
+    metadata = one_prompt_metadata(page_size, length)
     options = dict(sm_scale=head_dim**-0.5, attention_impl="xla")
     exact, _ = paged_attention(
         *map(jnp.asarray, (q, k, v)), jnp.zeros((4, page_size, 4 * head_dim)), metadata, **options
