@@ -4,7 +4,7 @@
 // An 8-bit pool stores K and V turned by that matrix (pallas_kernels/quantization.py), so every layer turns q, k and
 // v on the way in and the attention's output on the way out. XLA:CPU runs each as a [R, D] x [D, D] dot, its own
 // thunk: 2.3 ms a layer for a 2048-token prompt of SmolLM2 (9 query and 3 KV heads of 64) and 0.1 ms at 16 decode
-// rows, about 4% and 7% of the step. The matrix's rows are +-1, and it factors into log2(D) butterflies (the fast
+// rows, about 4% and 7% of the step. The matrix's entries are +-1, and it factors into log2(D) butterflies (the fast
 // Walsh-Hadamard transform): D log2(D) additions a row instead of D^2 multiply-adds, on a row in registers.
 //
 // H_2n = [[H_n, H_n], [H_n, -H_n]], so x H_2n = [(x1 + x2) H_n, (x1 - x2) H_n] for x's halves x1 and x2: the first
