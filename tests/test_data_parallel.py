@@ -226,6 +226,20 @@ def test_routing_is_deterministic_and_balances_load():
     assert scheduler.abort("0").finish_reason == "abort" and scheduler.abort("0") is None
 
 
+def test_request_pages_count_a_shared_page_once_and_each_replica_apart():
+    scheduler = _scheduler(2, 8)
+    scheduler.add_request(Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=2)))
+    scheduler.add_request(Request("b", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=2, n=2, temperature=1.0)))
+    batch = scheduler.schedule()
+    # Both replicas number their pages from 1: a holds replica 0's pages 1 and 2, b replica 1's pages 1 and 2.
+    assert [(r.replica, r.block_table) for r in scheduler.running] == [(0, [1, 2]), (1, [1, 2])]
+    assert scheduler.num_request_pages == 4
+    scheduler.update(batch, {"a": 7})
+    scheduler.schedule()  # b's sibling b#1 shares b's full page 1; b takes page 3 for its partial page
+    assert [r.block_table for r in scheduler.running] == [[1, 2], [1, 3], [1, 2]]
+    assert scheduler.num_request_pages == 2 + 3
+
+
 def test_page_moves_are_reported_in_global_pages():
     scheduler = _scheduler(2, 8)
     scheduler.add_request(Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=2)))
