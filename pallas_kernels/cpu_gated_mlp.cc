@@ -87,15 +87,15 @@ void WriteGatedRows(float* g, const float* u, int64_t t0, int64_t rows, int64_t 
   }
 }
 
-// out[T, Pd * kPanelWidth] = (silu(x @ gate) * (x @ up)) @ down, for f32 x[T, K], gate and up [P, k_size,
-// kPanelWidth] over F = mlp_width columns (k_size: K, or bf16 panels' ceil(K / 2) pair steps), and down [Pd, h_steps,
-// kPanelWidth].
+// out[T, N] = (silu(x @ gate) * (x @ up)) @ down, for f32 x[T, K], gate and up [P, k_size, kPanelWidth] over F =
+// mlp_width columns (k_size: K, or bf16 panels' ceil(K / 2) pair steps), and down [Pd, h_steps, kPanelWidth], N at
+// most Pd * kPanelWidth.
 template <typename Weight>
 void GatedMlp(ffi::ThreadPool& pool, const float* x, int64_t t_size, int64_t x_width, int64_t k_size,
               int64_t num_panels, int64_t mlp_width, PanelOperand<Weight> gate, PanelOperand<Weight> up,
-              PanelOperand<Weight> down, int64_t down_panels, float* out) {
+              PanelOperand<Weight> down, int64_t n_size, float* out) {
   constexpr bool kPairs = std::is_same_v<Weight, Bf16Pair>;
-  const PanelSplit split(pool, t_size, k_size, num_panels, false);
+  const PanelSplit split(pool, t_size, k_size, num_panels * kPanelWidth, false);
   std::vector<float> packed_x_buffer;  // back to packed_buffers at the end
   const float* packed_x = PackRowTiles(pool, x, t_size, x_width, split.tile_rows, kPairs, packed_x_buffer);
   const int64_t h_steps = kPairs ? (mlp_width + 1) / 2 : mlp_width;
@@ -120,7 +120,7 @@ void GatedMlp(ffi::ThreadPool& pool, const float* x, int64_t t_size, int64_t x_w
     }
   };
   ParallelFor(pool, split.NumItems(), item);
-  const PanelSplit down_split(pool, t_size, h_steps, down_panels, false);
+  const PanelSplit down_split(pool, t_size, h_steps, n_size, false);
   MatmulPanels(pool, down_split, packed_h.data(), nullptr, down, out);
   packed_buffers.Give(std::move(packed_h));
   if (!packed_x_buffer.empty()) packed_buffers.Give(std::move(packed_x_buffer));
@@ -154,11 +154,15 @@ ffi::Error CheckGatedShapes(ffi::Span<const int64_t> x_dims, ffi::Span<const int
 template <typename Weight>
 ffi::Error RunGatedMlp(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, const Weight* gate, const Weight* up,
                        const Weight* down, ffi::Span<const int64_t> gate_dims, ffi::Span<const int64_t> down_dims,
-                       int64_t mlp_width, float* result) {
-  const int64_t t_size = x.dimensions()[0], x_width = x.dimensions()[1], down_panels = down_dims[0];
-  if (t_size == 0 || down_panels == 0) return ffi::Error::Success();
+                       int64_t mlp_width, ffi::Result<ffi::Buffer<ffi::F32>>& out) {
+  const int64_t t_size = x.dimensions()[0], x_width = x.dimensions()[1];
+  const auto out_dims = out->dimensions();
+  if (out_dims.size() != 2 || out_dims[0] != t_size || out_dims[1] > down_dims[0] * kPanelWidth) {
+    return ffi::Error::InvalidArgument("expected an output [T, N] with N at most down's Pd * 48 columns");
+  }
+  if (t_size == 0 || out_dims[1] == 0) return ffi::Error::Success();
   GatedMlp(pool, x.typed_data(), t_size, x_width, gate_dims[1], gate_dims[0], mlp_width, PanelOperand<Weight>{gate},
-           PanelOperand<Weight>{up}, PanelOperand<Weight>{down}, down_panels, result);
+           PanelOperand<Weight>{up}, PanelOperand<Weight>{down}, out_dims[1], out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -171,7 +175,7 @@ ffi::Error GatedMlpF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     return error;
   }
   return RunGatedMlp(pool, x, gate.typed_data(), up.typed_data(), down.typed_data(), gate_dims, down_dims, mlp_width,
-                     out->typed_data());
+                     out);
 }
 
 ffi::Error GatedMlpBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer gate, ffi::AnyBuffer up,
@@ -187,8 +191,7 @@ ffi::Error GatedMlpBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
     return error;
   }
   auto pairs_of = [](const ffi::AnyBuffer& weight) { return reinterpret_cast<const Bf16Pair*>(weight.untyped_data()); };
-  return RunGatedMlp(pool, x, pairs_of(gate), pairs_of(up), pairs_of(down), gate_dims, down_dims, mlp_width,
-                     out->typed_data());
+  return RunGatedMlp(pool, x, pairs_of(gate), pairs_of(up), pairs_of(down), gate_dims, down_dims, mlp_width, out);
 }
 
 }  // namespace
@@ -200,7 +203,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuGatedMlpF32, GatedMlpF32,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // gate: [ceil(F / 48), K, 48]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // up: [ceil(F / 48), K, 48]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // down: [Pd, F, 48]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out: [T, Pd * 48]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out: [T, N], N <= Pd * 48
                                   .Attr<int64_t>("mlp_width"));  // F
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuGatedMlpBf16, GatedMlpBf16,
@@ -210,5 +213,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuGatedMlpBf16, GatedMlpBf16,
                                   .Arg<ffi::AnyBuffer>()         // gate: bf16[ceil(F / 48), ceil(K / 2), 48, 2]
                                   .Arg<ffi::AnyBuffer>()         // up: the same
                                   .Arg<ffi::AnyBuffer>()         // down: bf16[Pd, ceil(F / 2), 48, 2]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out: [T, Pd * 48]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out: [T, N], N <= Pd * 48
                                   .Attr<int64_t>("mlp_width"));  // F

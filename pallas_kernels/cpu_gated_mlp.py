@@ -47,7 +47,7 @@ def gated_mlp_cpu(
         (pack_panels_bf16), P = ceil(F / 48).
       down: the [F, hidden] weight as panels of the same dtype.
       mlp_width: F, gate's and up's columns before padding.
-      hidden: down's columns before padding (the kernel's padding columns are dropped).
+      hidden: down's columns before padding (the kernel writes only these).
     """
     error = native_kernel_error()
     if error is not None:
@@ -79,7 +79,5 @@ def gated_mlp_cpu(
             f"{wrong or weights['gate'].dtype}"
         )
     target, _ = GATED_MLP_TARGETS[dtype]
-    padded = down.shape[0] * PANEL_WIDTH
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, padded), jnp.float32))
-    out = call(x.astype(jnp.float32), gate, up, down, mlp_width=np.int64(mlp_width))
-    return out if hidden == padded else out[:, :hidden]
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, hidden), jnp.float32))  # no padding columns written
+    return call(x.astype(jnp.float32), gate, up, down, mlp_width=np.int64(mlp_width))

@@ -72,17 +72,30 @@ ffi::Error CheckPanelShapes(ffi::Span<const int64_t> x_dims, ffi::Span<const int
   return ffi::Error::Success();
 }
 
+// Checks an output's shape against x's rows and its weight's P panels: f32[T, N], N at most P * 48 (the product's
+// columns: the first ceil(N / 48) panels', the last one's perhaps in part).
+ffi::Error CheckOutputShape(ffi::Span<const int64_t> out_dims, int64_t t_size, int64_t num_panels) {
+  if (out_dims.size() != 2 || out_dims[0] != t_size || out_dims[1] > num_panels * kPanelWidth) {
+    return ffi::Error::InvalidArgument("expected an output [T, N] with N at most the panels' P * 48 columns");
+  }
+  return ffi::Error::Success();
+}
+
 template <typename Weight>
 ffi::Error RunPanelMatmul(ffi::ThreadPool& pool, const float* x, ffi::Span<const int64_t> x_dims, const Weight* panels,
-                          ffi::Span<const int64_t> p_dims, const float* scales, const float* mins, float* result) {
+                          ffi::Span<const int64_t> p_dims, const float* scales, const float* mins,
+                          ffi::Result<ffi::Buffer<ffi::F32>>& out) {
   if (ffi::Error error = CheckPanelShapes(x_dims, p_dims); error.failure()) return error;
-  const int64_t t_size = x_dims[0], k_size = x_dims[1], num_panels = p_dims[0];
-  if (t_size == 0 || num_panels == 0) return ffi::Error::Success();
+  const int64_t t_size = x_dims[0], k_size = x_dims[1];
+  if (ffi::Error error = CheckOutputShape(out->dimensions(), t_size, p_dims[0]); error.failure()) return error;
+  const int64_t n_size = out->dimensions()[1];
+  float* result = out->typed_data();
+  if (t_size == 0 || n_size == 0) return ffi::Error::Success();
   if (k_size == 0) {
-    std::fill(result, result + t_size * num_panels * kPanelWidth, 0.0f);
+    std::fill(result, result + t_size * n_size, 0.0f);
     return ffi::Error::Success();
   }
-  const PanelSplit split(pool, t_size, k_size, num_panels, scales != nullptr);
+  const PanelSplit split(pool, t_size, k_size, n_size, scales != nullptr);
   const std::vector<float> x_sums =
       split.grouped ? GroupSums(pool, x, t_size, k_size, split.num_groups) : std::vector<float>();
   std::vector<float> packed;  // back to packed_buffers at the end
@@ -95,7 +108,7 @@ ffi::Error RunPanelMatmul(ffi::ThreadPool& pool, const float* x, ffi::Span<const
 ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
                        ffi::ResultBuffer<ffi::F32> out) {
   return RunPanelMatmul(pool, x.typed_data(), x.dimensions(), panels.typed_data(), panels.dimensions(), nullptr,
-                        nullptr, out->typed_data());
+                        nullptr, out);
 }
 
 ffi::Error PanelMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
@@ -110,7 +123,7 @@ ffi::Error PanelMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
     }
   }
   return RunPanelMatmul(pool, x.typed_data(), x.dimensions(), panels.typed_data(), p_dims, scales.typed_data(),
-                        mins.typed_data(), out->typed_data());
+                        mins.typed_data(), out);
 }
 
 ffi::Error PanelMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer panels,
@@ -124,15 +137,17 @@ ffi::Error PanelMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   if (p_dims[1] != (x_dims[1] + 1) / 2) {
     return ffi::Error::InvalidArgument("the panels' contraction pairs do not match x's contraction dimension");
   }
-  const int64_t t_size = x_dims[0], k_size = x_dims[1], num_panels = p_dims[0];
+  const int64_t t_size = x_dims[0], k_size = x_dims[1];
+  if (ffi::Error error = CheckOutputShape(out->dimensions(), t_size, p_dims[0]); error.failure()) return error;
+  const int64_t n_size = out->dimensions()[1];
   float* result = out->typed_data();
-  if (t_size == 0 || num_panels == 0) return ffi::Error::Success();
+  if (t_size == 0 || n_size == 0) return ffi::Error::Success();
   if (k_size == 0) {
-    std::fill(result, result + t_size * num_panels * kPanelWidth, 0.0f);
+    std::fill(result, result + t_size * n_size, 0.0f);
     return ffi::Error::Success();
   }
   std::vector<float> packed;  // back to packed_buffers at the end
-  const PanelSplit split(pool, t_size, (k_size + 1) / 2, num_panels, false);
+  const PanelSplit split(pool, t_size, (k_size + 1) / 2, n_size, false);
   const float* packed_x = PackRowTiles(pool, x.typed_data(), t_size, k_size, split.tile_rows, true, packed);
   MatmulPanels(pool, split, packed_x, nullptr,
                PanelOperand<Bf16Pair>{reinterpret_cast<const Bf16Pair*>(panels.untyped_data())}, result);
@@ -141,7 +156,7 @@ ffi::Error PanelMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
 }
 
 // x[T, K] times several weights of one kind (f32 panels [P_i, K, 48], or bf16 pairs [P_i, ceil(K / 2), 48, 2]), into
-// out_i[T, P_i * 48]: x packed once, and every product's work items in one pass over the pool. Each product keeps the
+// out_i[T, N_i] (N_i at most P_i * 48): x packed once, and every product's work items in one pass over the pool. Each product keeps the
 // split that a call of its own makes, so each output is that call's, bit for bit. (An attention block's q, k and v on
 // SmolLM2, bf16 panels on a 2-core Zen 4: as one 960-column product, 2048 rows took 6.1 ms against 3.6 + 1.5 + 1.5 in
 // three calls, and 16 rows 0.072 against 0.093: x packed three times, and k's and v's 4 panels split finely.)
@@ -159,7 +174,7 @@ ffi::Error RunPanelMatmuls(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::
   struct Product {
     PanelOperand<Weight> weight;
     float* out;
-    int64_t num_panels;
+    int64_t n_size;
   };
   std::vector<Product> products;
   for (size_t i = 0; i < weights.size(); ++i) {
@@ -173,23 +188,23 @@ ffi::Error RunPanelMatmuls(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::
                                                 : "expected f32 panels[P, K, 48] over x's K");
     }
     if ((*out)->element_type() != ffi::DataType::F32 || out_dims.size() != 2 || out_dims[0] != t_size ||
-        out_dims[1] != p_dims[0] * kPanelWidth) {
-      return ffi::Error::InvalidArgument("expected f32 outputs [T, P * 48], one per weight");
+        out_dims[1] > p_dims[0] * kPanelWidth) {
+      return ffi::Error::InvalidArgument("expected f32 outputs [T, N_i], one per weight, N_i at most its P_i * 48");
     }
     products.push_back({{reinterpret_cast<const Weight*>(weight->untyped_data())},
-                        reinterpret_cast<float*>((*out)->untyped_data()), p_dims[0]});
+                        reinterpret_cast<float*>((*out)->untyped_data()), out_dims[1]});
   }
   if (t_size == 0) return ffi::Error::Success();
   if (k_size == 0) {
     for (const Product& product : products) {
-      std::fill(product.out, product.out + t_size * product.num_panels * kPanelWidth, 0.0f);
+      std::fill(product.out, product.out + t_size * product.n_size, 0.0f);
     }
     return ffi::Error::Success();
   }
   std::vector<PanelSplit> splits;
   std::vector<int64_t> first_items = {0};  // product i's items are [first_items[i], first_items[i + 1])
   for (const Product& product : products) {
-    splits.emplace_back(pool, t_size, k_size, product.num_panels, false);
+    splits.emplace_back(pool, t_size, k_size, product.n_size, false);
     first_items.push_back(first_items.back() + splits.back().NumItems());
   }
   std::vector<float> packed;  // back to packed_buffers at the end
@@ -221,7 +236,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuPanelMatmulF32, PanelMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()    // x: [T, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()    // panels: [P, K, 48]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out: [T, P * 48]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out: [T, N], N <= P * 48
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuPanelMatmulInt8, PanelMatmulInt8,
                               ffi::Ffi::Bind()
@@ -230,25 +245,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuPanelMatmulInt8, PanelMatmulInt8,
                                   .Arg<ffi::Buffer<ffi::S8>>()     // panels: [P, K, 48]
                                   .Arg<ffi::Buffer<ffi::F32>>()    // scales: [P, ceil(K / 32), 48]
                                   .Arg<ffi::Buffer<ffi::F32>>()    // mins: [P, ceil(K / 32), 48]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out: [T, P * 48]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out: [T, N], N <= P * 48
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuPanelMatmulBf16, PanelMatmulBf16,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()    // x: [T, K]
                                   .Arg<ffi::AnyBuffer>()           // panels: bf16[P, ceil(K / 2), 48, 2]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out: [T, P * 48]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out: [T, N], N <= P * 48
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuPanelMatmulsF32, PanelMatmulsF32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x: [T, K]
                                   .RemainingArgs()               // each weight's panels: [P_i, K, 48]
-                                  .RemainingRets());             // each product: [T, P_i * 48]
+                                  .RemainingRets());             // each product: [T, N_i <= P_i * 48]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuPanelMatmulsBf16, PanelMatmulsBf16,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x: [T, K]
                                   .RemainingArgs()               // each weight's panels: bf16[P_i, ceil(K / 2), 48, 2]
-                                  .RemainingRets());             // each product: [T, P_i * 48]
+                                  .RemainingRets());             // each product: [T, N_i <= P_i * 48]

@@ -201,10 +201,10 @@ def panel_matmul_cpu(
     if not 0 <= columns <= padded:
         raise ValueError(f"columns={columns} does not fit {panels.shape[0]} panels of {PANEL_WIDTH}")
     target, _ = PANEL_MATMUL_TARGETS[dtype]
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, padded), jnp.float32))
+    # The kernel writes the first `columns` columns only: a padded output sliced here would be an XLA copy.
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, columns), jnp.float32))
     operands = (x.astype(jnp.float32), panels) + tuple(a.astype(jnp.float32) for a in groups if quantized)
-    out = call(*operands)
-    return out if columns == padded else out[:, :columns]
+    return call(*operands)
 
 
 def panel_matmuls_cpu(x: jax.Array, panels: list[jax.Array], columns: list[int]) -> list[jax.Array]:
@@ -236,6 +236,5 @@ def panel_matmuls_cpu(x: jax.Array, panels: list[jax.Array], columns: list[int])
         if not 0 <= n <= p.shape[0] * PANEL_WIDTH:
             raise ValueError(f"columns={n} does not fit {p.shape[0]} panels of {PANEL_WIDTH}")
     target, _ = PANEL_MATMULS_TARGETS[dtype]
-    shapes = [jax.ShapeDtypeStruct((rows, p.shape[0] * PANEL_WIDTH), jnp.float32) for p in panels]
-    outs = jax.ffi.ffi_call(target, shapes)(x.astype(jnp.float32), *panels)
-    return [out if n == out.shape[1] else out[:, :n] for out, n in zip(outs, columns, strict=True)]
+    shapes = [jax.ShapeDtypeStruct((rows, n), jnp.float32) for n in columns]
+    return list(jax.ffi.ffi_call(target, shapes)(x.astype(jnp.float32), *panels))

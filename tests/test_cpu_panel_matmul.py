@@ -135,6 +135,23 @@ def test_empty_products_are_empty_or_zeros():
 
 
 @needs_native
+@pytest.mark.parametrize("rows", [32, 100])
+def test_a_partial_last_panel_is_written_by_the_kernel_with_no_slice_after_it(rows):
+    """32000 columns (a Llama 2 vocabulary) leave the last of 667 panels a third full: the kernel writes the [T, 32000]
+    output itself, so no XLA slice (a copy of the whole output) follows the call, and every column, the partial panel's
+    too, is the product's."""
+    x, weight = random_case(11, rows, 64, 32000, "float32", False)
+    panels = pack_panels(weight)
+    assert panels.shape[0] * PANEL_WIDTH == 32016
+    program = jax.make_jaxpr(lambda x, p: panel_matmul_cpu(x, p, 32000))(x, panels)
+    assert [eqn.primitive.name for eqn in program.eqns] == ["ffi_call"]
+    out = np.asarray(panel_matmul_cpu(x, panels, 32000))
+    exact, bound = exact_product(x, weight, False)
+    assert out.shape == (rows, 32000)
+    assert np.all(np.abs(out - exact) <= bound)
+
+
+@needs_native
 def test_operands_that_are_not_f32_panels_are_refused_naming_the_layout():
     x, weight = random_case(5, 4, 64, 96, "float32", False)
     with pytest.raises(ValueError, match="panels"):
