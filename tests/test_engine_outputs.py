@@ -180,3 +180,26 @@ def test_stop_token_sets_stop_reason_without_a_tokenizer(tiny):
     completion = drain(engine)["stopped"].outputs[0]
     assert completion.token_ids == [first_token]
     assert completion.finish_reason == "stop" and completion.stop_reason == first_token
+
+
+def test_a_final_only_request_has_one_output_the_step_it_finishes_and_the_same_completion(tiny):
+    """final_only (as LLM.generate adds its requests): no output before the request finishes, then the same
+    RequestOutput a request without it ends with; n = 2 samples report once both finished; others still stream."""
+    _, loaded = tiny
+    engine = Engine(loaded, EngineConfig(num_pages=64, max_num_seqs=8))
+    prompt = [7, 3, 9, 1, 4, 4, 2]
+    seeded = dict(temperature=0.8, seed=5, ignore_eos=True)
+    engine.add_request("streamed", prompt, SamplingParams(max_tokens=5, **seeded))
+    engine.add_request("final", prompt, SamplingParams(max_tokens=5, **seeded), final_only=True)
+    engine.add_request("pair", prompt, SamplingParams(n=2, max_tokens=3, **seeded), final_only=True)
+    seen: dict[str, list] = {"streamed": [], "final": [], "pair": []}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            seen[output.request_id].append(output)
+    assert len(seen["streamed"]) == 5 and [o.finished for o in seen["streamed"]] == [False] * 4 + [True]
+    assert len(seen["final"]) == 1 and seen["final"][0].finished
+    assert len(seen["pair"]) == 1 and seen["pair"][0].finished and len(seen["pair"][0].outputs) == 2
+    final, streamed = seen["final"][0].outputs[0], seen["streamed"][-1].outputs[0]
+    assert final.token_ids == streamed.token_ids and len(final.token_ids) == 5
+    assert final.finish_reason == streamed.finish_reason == "length"
+    assert seen["final"][0].metrics.first_token_time is not None

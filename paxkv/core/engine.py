@@ -118,6 +118,7 @@ class Engine:
         prompt: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        final_only: bool = False,
     ) -> None:
         """Queue a request; raise ValueError (and change nothing) when it is malformed or can never fit.
 
@@ -128,6 +129,8 @@ class Engine:
           prompt: the prompt text, echoed in outputs.
           cache_salt: requests with different salts never share cached KV pages (tenant isolation).
           priority: lower runs first and is preempted last (as vLLM's); ties go by arrival.
+          final_only: step() returns the request's output only once it has finished (vLLM's FINAL_ONLY output
+            kind), for callers that read nothing before: no output is built for it at every step.
         """
         if request_id in self.outputs.groups or "#" in request_id:
             raise ValueError(
@@ -140,11 +143,12 @@ class Engine:
         )
         request = Request(request_id, token_ids, sampling_params, cache_salt=cache_salt, priority=priority)
         self.scheduler.add_request(request)
-        self.outputs.add(request, prompt)
+        self.outputs.add(request, prompt, final_only=final_only)
         self.metrics.num_requests += 1
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return the requests that advanced or finished."""
+        """Run one scheduled batch; return the outputs of the requests that advanced (but a final_only request's only
+        when it finished)."""
         start, quiet = time.monotonic(), self.runner.ahead.quiet_mark()
         batch = self.scheduler.schedule()
         if batch.is_empty:

@@ -51,6 +51,7 @@ class RequestGroup:
     prompt_token_ids: list[int]
     num_samples: int
     metrics: RequestMetrics
+    final_only: bool = False  # steps make its output only once it has finished
     samples: list[SampleState] = dataclasses.field(default_factory=list)
 
     @property
@@ -90,17 +91,18 @@ class OutputProcessor:
         self.groups: dict[str, RequestGroup] = {}  # by the caller's id
         self.samples: dict[str, SampleState] = {}  # by scheduler request id
 
-    def add(self, request: Request, prompt: str | None) -> None:
+    def add(self, request: Request, prompt: str | None, final_only: bool = False) -> None:
         """Track a caller's request (its sample 0); sample i of n draws from seed + i.
 
         Args:
           request: the scheduler's request, just added.
           prompt: the prompt text, echoed in outputs.
+          final_only: process() makes the request's output only once it has finished.
         """
         params = request.sampling_params
         seed = params.seed if params.seed is not None else int(self._seed_source.integers(2**31))
         metrics = RequestMetrics(arrival_time=time.monotonic())
-        group = RequestGroup(request.request_id, prompt, list(request.prompt_token_ids), params.n, metrics)
+        group = RequestGroup(request.request_id, prompt, list(request.prompt_token_ids), params.n, metrics, final_only)
         self.groups[request.request_id] = group
         self._add_sample(group, request, seed)
 
@@ -130,7 +132,8 @@ class OutputProcessor:
         self, batch: ScheduledBatch, sampled, taken: dict[str, list[int]], scheduler: SchedulerInterface
     ) -> tuple[list[RequestOutput], list[RequestGroup]]:
         """Stream the step's tokens into text and logprobs, report stop strings to the scheduler, and make the
-        outputs of the requests that advanced; return them and the groups that finished.
+        outputs of the requests that advanced (a final_only one's once it finished); return them and the groups that
+        finished.
 
         Args:
           batch: the step's batch.
@@ -170,7 +173,10 @@ class OutputProcessor:
         for group in finished:
             group.metrics.finished_time = now
             del self.groups[group.request_id]
-        return [group.output() for group in advanced.values()], finished
+        # An output copies the request's prompt and tokens: 0.17 ms a step for 32 requests of 128 + 128 tokens, about
+        # 2% of the random 20M Llama's step, built for LLM.generate to drop.
+        outputs = [group.output() for group in advanced.values() if group.finished or not group.final_only]
+        return outputs, finished
 
     def _append_text(
         self, sample: SampleState, token_id: int, scheduler: SchedulerInterface, num_tokens: int, last: bool

@@ -138,7 +138,11 @@ def run_lines(
             text = line.prompt if isinstance(line.prompt, str) else None
             token_ids = encode_prompt(tokenizer, line.prompt)
         return dict(
-            prompt_token_ids=token_ids, sampling_params=line.sampling_params, prompt=text, cache_salt=line.cache_salt
+            prompt_token_ids=token_ids,
+            sampling_params=line.sampling_params,
+            prompt=text,
+            cache_salt=line.cache_salt,
+            final_only=stream_to is None,  # a streamed run's first request needs its outputs as they come
         )
 
     requests = [(line.request_id, functools.partial(request_of, line)) for line in lines]

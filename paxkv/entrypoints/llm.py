@@ -154,7 +154,12 @@ class LLM:
             (
                 request_id,
                 functools.partial(
-                    dict, prompt_token_ids=token_ids, sampling_params=params, prompt=text, cache_salt=salt
+                    dict,
+                    prompt_token_ids=token_ids,
+                    sampling_params=params,
+                    prompt=text,
+                    cache_salt=salt,
+                    final_only=True,  # drain keeps only finished outputs
                 ),
             )
             for request_id, (text, token_ids, salt), params in zip(ids, requests, sampling_params, strict=True)
