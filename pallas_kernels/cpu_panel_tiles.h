@@ -42,7 +42,12 @@ constexpr int64_t kCacheLine = 64;
 // 1593 and 1581 ms against 1604 and 1614 (alternated in one process); 2048 x 576 x 1536 alone, 10.3 -> 9.3 ms. The
 // lm_head's logits from 22 decode rows on stream too, which the greedy token's pass then reads from memory: SmolLM2's
 // decode steps at batch 32 and 64 were unchanged within noise (40.7-42.0 and 79.8 ms against 41.8-42.1 and 82.2).
-constexpr int64_t kStreamOutBytes = int64_t{4} << 20;
+// 3 MiB rather than 4 (a 2-core Zen 4, the lm_head and the greedy token's pass as two programs, as a step runs them,
+// alternated in one process): SmolLM2's bf16 lm_head at 16 rows (3 MiB) 3.40 -> 3.21 ms and at 21 rows 4.54 -> 4.17,
+// the random 20M Llama's f32 one at 32 rows (32000 words, 3.9 MiB) 3.51-3.59 -> 3.17-3.29; at 13 and 14 rows (2.5 and
+// 2.6 MiB) streaming cost 2-8%, so smaller outputs still store through the cache. (SmolLM2's f32 lm_head at 16 rows,
+// bound by its 113 MB of reads, went 6.52-6.59 -> 6.65-6.74 ms: 0.1 ms of a 60 ms step.)
+constexpr int64_t kStreamOutBytes = int64_t{3} << 20;
 static_assert(kPanelWidth % kTileWidth == 0, "a panel is whole tiles wide");
 constexpr int64_t kFirstLevelAhead = 8;  // contraction steps
 // An int8 weight's contraction rows come in groups of kGroupRows, each with its own scale and min per column
