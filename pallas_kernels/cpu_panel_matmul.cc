@@ -156,10 +156,11 @@ ffi::Error PanelMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
 }
 
 // x[T, K] times several weights of one kind (f32 panels [P_i, K, 48], or bf16 pairs [P_i, ceil(K / 2), 48, 2]), into
-// out_i[T, N_i] (N_i at most P_i * 48): x packed once, and every product's work items in one pass over the pool. Each product keeps the
-// split that a call of its own makes, so each output is that call's, bit for bit. (An attention block's q, k and v on
-// SmolLM2, bf16 panels on a 2-core Zen 4: as one 960-column product, 2048 rows took 6.1 ms against 3.6 + 1.5 + 1.5 in
-// three calls, and 16 rows 0.072 against 0.093: x packed three times, and k's and v's 4 panels split finely.)
+// out_i[T, N_i] (N_i at most P_i * 48): x packed once, and every product's work items in one pass over the pool. Each
+// product keeps the split that a call of its own makes, so each output is that call's, bit for bit. (An attention
+// block's q, k and v on SmolLM2, bf16 panels on a 2-core Zen 4: as one 960-column product, 2048 rows took 6.1 ms
+// against 3.6 + 1.5 + 1.5 in three calls, and 16 rows 0.072 against 0.093: x packed three times, and k's and v's 4
+// panels split finely.)
 template <typename Weight>
 ffi::Error RunPanelMatmuls(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
                            ffi::RemainingRets outs) {
