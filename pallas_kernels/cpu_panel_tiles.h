@@ -21,9 +21,12 @@ constexpr int64_t kItemsPerThread = 4;                       // many rows: items
 constexpr int64_t kMinPartChunks = 8;                        // many rows: chunks of a row range, at least
 // Up to kFewRows rows, all of them are multiplied with a panel kShallowBlock contraction rows (18 KiB of f32; int8
 // weights: kGroupsFew groups, 6 KiB) at a time: the panel streams from memory, the arithmetic short. From kMidRows
-// rows on, an f32 panel's block is kMidBlock rows deep (a contraction of at most kMidBlock * 3 / 2 in one block):
-// its tiles' sums go through `out` half as often, and on a 2-core Zen 4 SmolLM2's products at 16-64 rows ran 2-8%
-// faster than with kShallowBlock (three alternating builds; 1 and 8 rows unchanged, 96 kept there). More rows are
+// rows on, an f32 panel's block is kMidBlock rows deep (a contraction of at most kMidDepth in one block): its tiles'
+// sums go through `out` half as often, and on a 2-core Zen 4 SmolLM2's products at 16-64 rows ran 2-8% faster than
+// with kShallowBlock (three alternating builds; 1 and 8 rows unchanged, 96 kept there). kMidDepth was 288 until
+// SmolLM2's 576-deep f32 lm_head, whose sums then went through its streamed output in three blocks, ran faster in one
+// (576 x 49152 with the greedy token's pass, alternated in one process: 32 rows 10.39 -> 9.69 ms, 16 rows 5.62 ->
+// 5.45, 64 rows 23.1 -> 22.6; its q, k, v, o and MLP at 16-64 rows unchanged within noise). More rows are
 // multiplied kRowChunk at a time, kDeepBlock contraction steps (rows, or bf16 pairs of rows) at a time: fewer round
 // trips of the sums through `out`, the panel in the second-level cache (147 KiB a panel). 768 takes SmolLM2's down
 // projection in bf16 (1536 deep) in one block: with 576 it took two unequal ones, and 2048 x 1536 x 576 ran 4-6%
@@ -33,6 +36,7 @@ constexpr int64_t kFewRows = 64;
 constexpr int64_t kShallowBlock = 96;
 constexpr int64_t kMidRows = 16;
 constexpr int64_t kMidBlock = 192;
+constexpr int64_t kMidDepth = 576;
 constexpr int64_t kRowChunk = 32;
 constexpr int64_t kDeepBlock = 768;
 constexpr int64_t kCacheLine = 64;
@@ -162,9 +166,13 @@ void GroupTile(const float* x, const int8_t* panel, int64_t depth, float* out, i
     const int8_t* group_panel = panel + g0 * kPanelWidth;
     const int64_t rows = std::min(kGroupRows, depth - g0);
     // Only the second-level prefetch: a first-level one each step, as Tile's, cost a one-row step 5-10% (54.0-56.9
-    // against 59.1-61.7 tok/s for a batch-1 generate), its panel rows being a third of f32's.
+    // against 59.1-61.7 tok/s for a batch-1 generate), its panel rows being a third of f32's. The cursor is a local
+    // copy, as in Tile: SmolLM2's int8 lm_head at one row, alternated in one process, 1.086 -> 1.031 and 1.210 ->
+    // 1.144 ms (3 rows unchanged).
+    Prefetcher l2_ahead = prefetch;
     AccumulateTile<kRows, kTileVectors, true>(acc, x + g0 * kRows, 0, group_panel, kPanelWidth, rows,
-                                              [&prefetch](int64_t) { prefetch.Step(); });
+                                              [&l2_ahead](int64_t) { l2_ahead.Step(); });
+    prefetch = l2_ahead;
     for (int64_t v = 0; v < kTileVectors; ++v) {
       const Vec scale = LoadVec(groups.scales + g * kPanelWidth + v * kLanes);
       const Vec min = LoadVec(groups.mins + g * kPanelWidth + v * kLanes);
@@ -265,7 +273,7 @@ struct PanelSplit {
     // multiply-adds per widened vector: SmolLM2's 128 + 128 tokens at batch 8 went from 1.16-1.26x f32's speed to
     // 1.23-1.39x, at batch 32 from 0.88-0.94x to 0.93-0.97x).
     group_tiles = grouped && t_size < kRowBlock;
-    const int64_t mid_block = k_size <= kMidBlock * 3 / 2 ? k_size : kMidBlock;
+    const int64_t mid_block = k_size <= kMidDepth ? k_size : kMidBlock;
     const int64_t f32_block = !few ? kDeepBlock : t_size >= kMidRows ? mid_block : kShallowBlock;
     depth_block = !grouped ? f32_block : group_tiles ? kGroupsFew * kGroupRows : kGroupRows;
     num_groups = (k_size + kGroupRows - 1) / kGroupRows;
