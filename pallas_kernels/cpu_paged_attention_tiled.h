@@ -116,16 +116,23 @@ static_assert(kBandLanes % (kScoreVecs * kLanes) == 0 && kBandLanes % kValueRows
 // out[r0 + i][d0 : d0 + kVecs * kLanes] = out[...] * rescale[r0 + i] + sum over steps t of weights[t][r0 + i] *
 // values[t][d0 : ...] for i < kRows (the online softmax's rescale folded in). A step is a slot, or with kPairs a pair
 // of slots: values[t] then holds [D] bf16 pairs and weights[t] the two slots' weights as a pair.
+// The loops over rows and vectors are unrolled by pragma: left to GCC, the sums went through the stack on the way in
+// and out of every call (a fifth of the tile's time; 108 stack accesses in its code, 38 after). SmolLM2's 2048-token
+// prompt over a bf16 pool, one layer alternated in one process: 15.76 -> 15.35 and 16.91 -> 16.37 ms; 512 tokens
+// 1.49 -> 1.43; an f32 pool unchanged.
 template <int64_t kRows, int64_t kVecs, bool kPairs>
 inline void ValueTile(const float* weights, const float* values, int64_t D, int64_t width, int64_t steps,
                       const float* rescale, int64_t r0, int64_t d0, float* out) {
   Vec acc[kRows][kVecs];
+#pragma GCC unroll 8
   for (int64_t i = 0; i < kRows; ++i) {
     const Vec factor = Splat(rescale[r0 + i]);
+#pragma GCC unroll 4
     for (int64_t c = 0; c < kVecs; ++c) acc[i][c] = LoadVec(out + (r0 + i) * D + d0 + c * kLanes) * factor;
   }
   for (int64_t t = 0; t < steps; ++t) {
     Vec value[kVecs];
+#pragma GCC unroll 4
     for (int64_t c = 0; c < kVecs; ++c) value[c] = LoadVec(values + t * D + d0 + c * kLanes);
     const float* weight = weights + t * width + r0;
 #pragma GCC unroll 6
@@ -139,7 +146,9 @@ inline void ValueTile(const float* weights, const float* values, int64_t D, int6
       }
     }
   }
+#pragma GCC unroll 8
   for (int64_t i = 0; i < kRows; ++i) {
+#pragma GCC unroll 4
     for (int64_t c = 0; c < kVecs; ++c) StoreVec(out + (r0 + i) * D + d0 + c * kLanes, acc[i][c]);
   }
 }
