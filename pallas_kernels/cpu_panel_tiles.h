@@ -26,7 +26,7 @@ constexpr int64_t kMinPartChunks = 8;                        // many rows: chunk
 // with kShallowBlock (three alternating builds; 1 and 8 rows unchanged, 96 kept there). kMidDepth was 288 until
 // SmolLM2's 576-deep f32 lm_head, whose sums then went through its streamed output in three blocks, ran faster in one
 // (576 x 49152 with the greedy token's pass, alternated in one process: 32 rows 10.39 -> 9.69 ms, 16 rows 5.62 ->
-// 5.45, 64 rows 23.1 -> 22.6; its q, k, v, o and MLP at 16-64 rows unchanged within noise). More rows are
+// 5.45, 64 rows 23.1 -> 22.6; its q/k/v and o at 32 rows and MLP at 16-64 unchanged within noise). More rows are
 // multiplied kRowChunk at a time, kDeepBlock contraction steps (rows, or bf16 pairs of rows) at a time: fewer round
 // trips of the sums through `out`, the panel in the second-level cache (147 KiB a panel). 768 takes SmolLM2's down
 // projection in bf16 (1536 deep) in one block: with 576 it took two unequal ones, and 2048 x 1536 x 576 ran 4-6%
