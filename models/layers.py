@@ -66,18 +66,25 @@ def project(spec: str, x: jax.Array, weight: jax.Array | PanelWeight, *, native:
     return out[:rows].astype(x.dtype)
 
 
-def project_together(x: jax.Array, products: list[tuple[str, jax.Array | PanelWeight]], *, native: bool = False):
-    """[project(spec, x, weight) for spec, weight in products], in one native call (pallas_kernels.panel_matmuls_cpu)
-    where every weight is a PanelWeight of f32 or of bf16 alike over x's columns and the native kernels run here: x is
-    rounded and packed once, and the products' work goes over the threads together, each result the same bits as its
-    own project(). (An attention block's q, k and v on SmolLM2 in bf16, the step compiled both ways and alternated on a
-    2-core Zen 4: a 2048-token prefill step 1637 and 1617 -> 1596 and 1605 ms, a decode step at batch 16 and context
-    2048 45.8 and 45.1 -> 44.9 and 43.7 ms.)
+def project_together(
+    x: jax.Array,
+    products: list[tuple[str, jax.Array | PanelWeight]],
+    *,
+    native: bool = False,
+    norm: "RMSNorm | None" = None,
+):
+    """[project(spec, norm(x), weight) for spec, weight in products], in one native call
+    (pallas_kernels.panel_matmuls_cpu) where every weight is a PanelWeight of f32 or of bf16 alike over x's columns and
+    the native kernels run here: x is normed, rounded and packed once, and the products' work goes over the threads
+    together, each result the same bits as its own project() of the call's normed x. (An attention block's q, k and v
+    on SmolLM2 in bf16, the step compiled both ways and alternated on a 2-core Zen 4: a 2048-token prefill step 1637
+    and 1617 -> 1596 and 1605 ms, a decode step at batch 16 and context 2048 45.8 and 45.1 -> 44.9 and 43.7 ms.)
 
     Args:
       x: activations [T, K] in the compute dtype.
       products: (spec, weight) pairs as project() takes them, each spec contracting x's K.
       native: whether the native CPU kernels may run (as for project()).
+      norm: an RMS norm the products take x through first (in the native call, as x is packed), or None.
     """
     weights = [weight for _, weight in products]
     shared = (
@@ -90,8 +97,9 @@ def project_together(x: jax.Array, products: list[tuple[str, jax.Array | PanelWe
         and unpartitioned_here()
     )
     if not shared:
+        x = x if norm is None else norm(x)
         return [project(spec, x, weight, native=native) for spec, weight in products]
-    outs = panel_matmuls_cpu(x, [w.panels for w in weights], [w.columns for w in weights])
+    outs = panel_matmuls_cpu(x, [w.panels for w in weights], [w.columns for w in weights], *norm_operands(norm))
     return [out.reshape(x.shape[0], *w.output_shape) for out, w in zip(outs, weights, strict=True)]
 
 
@@ -167,7 +175,8 @@ def init_param(rngs: nnx.Rngs | None, shape, dtype, logical_axes, scale: float =
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square layer norm, computed in f32."""
+    """Root-mean-square layer norm, computed in f32 (the native CPU products apply it as they pack their input rows:
+    project_together, GatedMLP)."""
 
     def __init__(self, size: int, *, eps: float, param_dtype, logical_axis: str | None = "embed"):
         self.eps = eps
@@ -177,6 +186,11 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (normed * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def norm_operands(norm: RMSNorm | None) -> tuple[jax.Array | None, float]:
+    """(weight, eps) of an RMS norm as the native products take it (their norm_weight and norm_eps), or (None, 0)."""
+    return (None, 0.0) if norm is None else (norm.weight[...], norm.eps)
 
 
 def _fuses_gated_mlp(x: jax.Array, weights) -> bool:
@@ -205,11 +219,14 @@ class GatedMLP(nnx.Module):
         self.up = init_param(rngs, (d, f), param_dtype, ("embed", "mlp"))
         self.down = init_param(rngs, (f, d), param_dtype, ("mlp", "embed"))
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, D]
+    def __call__(self, x: jax.Array, norm: RMSNorm | None = None) -> jax.Array:  # [T, D] -> [T, D]
+        """The MLP of norm(x) (of x without a norm); the native call norms x's rows as it packs them."""
         native = self.native_matmul
         gate, up, down = self.gate[...], self.up[...], self.down[...]
         if native and _fuses_gated_mlp(x, (gate, up, down)):
-            return gated_mlp_cpu(x, gate.panels, up.panels, down.panels, gate.columns, down.columns)
+            panels = (gate.panels, up.panels, down.panels)
+            return gated_mlp_cpu(x, *panels, gate.columns, down.columns, *norm_operands(norm))
+        x = x if norm is None else norm(x)
         gated = jax.nn.silu(project("TD,DF->TF", x, gate, native=native)) * project("TD,DF->TF", x, up, native=native)
         return project("TF,FD->TD", gated, down, native=native)
 
@@ -246,6 +263,7 @@ class PagedAttention(nnx.Module):
         rope: tuple[jax.Array, jax.Array],  # (cos, sin) of each token's angles, f32[T, H // 2] each (rope_angles)
         kv_pages: jax.Array,  # [num_pages, page_size, 2K * H]
         metadata: AttentionMetadata,
+        norm: RMSNorm | None = None,  # applied to x first (inside the native q/k/v call where it runs)
     ) -> tuple[jax.Array, jax.Array]:
         dtype = x.dtype
         native = self.native_matmul
@@ -253,6 +271,7 @@ class PagedAttention(nnx.Module):
             x,
             [("TD,DNH->TNH", self.q_proj[...]), ("TD,DKH->TKH", self.k_proj[...]), ("TD,DKH->TKH", self.v_proj[...])],
             native=native,
+            norm=norm,
         )
         if self.q_bias is not None:
             q = q + self.q_bias[...].astype(dtype)

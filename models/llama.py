@@ -29,9 +29,9 @@ class DecoderLayer(nnx.Module):
         metadata: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:  # ([T, D], kv_pages)
         """Attend (writing this step's K/V into the pages), then the MLP, each around a residual."""
-        attended, kv_pages = self.attention(self.input_norm(x), rope, kv_pages, metadata)
+        attended, kv_pages = self.attention(x, rope, kv_pages, metadata, norm=self.input_norm)
         x = x + attended
-        x = x + self.mlp(self.post_attention_norm(x))
+        x = x + self.mlp(x, norm=self.post_attention_norm)
         return x, kv_pages
 
 

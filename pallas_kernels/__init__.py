@@ -16,6 +16,7 @@ from pallas_kernels.cpu_panel_matmul import (
     panel_matmul_reference,
     panel_matmuls_cpu,
     quantize_panels_int8,
+    rms_norm_reference,
     unpack_panels,
 )
 from pallas_kernels.cpu_small_matmul import (
@@ -99,6 +100,7 @@ __all__ = [
     "ragged_attention",
     "ragged_paged_attention_reference",
     "ragged_paged_attention_tpu",
+    "rms_norm_reference",
     "rotation_matrix",
     "small_matmul_cpu",
     "small_matmul_reference",

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -89,15 +90,15 @@ void WriteGatedRows(float* g, const float* u, int64_t t0, int64_t rows, int64_t 
 
 // out[T, N] = (silu(x @ gate) * (x @ up)) @ down, for f32 x[T, K], gate and up [P, k_size, kPanelWidth] over F =
 // mlp_width columns (k_size: K, or bf16 panels' ceil(K / 2) pair steps), and down [Pd, h_steps, kPanelWidth], N at
-// most Pd * kPanelWidth.
+// most Pd * kPanelWidth. With a `norm`, x's rows are normed as they are packed (RowNorm).
 template <typename Weight>
 void GatedMlp(ffi::ThreadPool& pool, const float* x, int64_t t_size, int64_t x_width, int64_t k_size,
               int64_t num_panels, int64_t mlp_width, PanelOperand<Weight> gate, PanelOperand<Weight> up,
-              PanelOperand<Weight> down, int64_t n_size, float* out) {
+              PanelOperand<Weight> down, int64_t n_size, float* out, RowNorm norm) {
   constexpr bool kPairs = std::is_same_v<Weight, Bf16Pair>;
   const PanelSplit split(pool, t_size, k_size, num_panels * kPanelWidth, false);
   std::vector<float> packed_x_buffer;  // back to packed_buffers at the end
-  const float* packed_x = PackRowTiles(pool, x, t_size, x_width, split.tile_rows, kPairs, packed_x_buffer);
+  const float* packed_x = PackRowTiles(pool, x, t_size, x_width, split.tile_rows, kPairs, packed_x_buffer, norm);
   const int64_t h_steps = kPairs ? (mlp_width + 1) / 2 : mlp_width;
   std::vector<float> packed_h = packed_buffers.Take(t_size * h_steps);
   auto item = [&](int64_t i) {
@@ -152,34 +153,38 @@ ffi::Error CheckGatedShapes(ffi::Span<const int64_t> x_dims, ffi::Span<const int
 }
 
 template <typename Weight>
-ffi::Error RunGatedMlp(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, const Weight* gate, const Weight* up,
-                       const Weight* down, ffi::Span<const int64_t> gate_dims, ffi::Span<const int64_t> down_dims,
-                       int64_t mlp_width, ffi::Result<ffi::Buffer<ffi::F32>>& out) {
+ffi::Error RunGatedMlp(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, const ffi::Buffer<ffi::F32>& norm_weight,
+                       const Weight* gate, const Weight* up, const Weight* down, ffi::Span<const int64_t> gate_dims,
+                       ffi::Span<const int64_t> down_dims, int64_t mlp_width, float norm_eps,
+                       ffi::Result<ffi::Buffer<ffi::F32>>& out) {
   const int64_t t_size = x.dimensions()[0], x_width = x.dimensions()[1];
+  RowNorm norm;
+  if (ffi::Error error = NormOf(norm_weight, x_width, norm_eps, norm); error.failure()) return error;
   const auto out_dims = out->dimensions();
   if (out_dims.size() != 2 || out_dims[0] != t_size || out_dims[1] > down_dims[0] * kPanelWidth) {
     return ffi::Error::InvalidArgument("expected an output [T, N] with N at most down's Pd * 48 columns");
   }
   if (t_size == 0 || out_dims[1] == 0) return ffi::Error::Success();
   GatedMlp(pool, x.typed_data(), t_size, x_width, gate_dims[1], gate_dims[0], mlp_width, PanelOperand<Weight>{gate},
-           PanelOperand<Weight>{up}, PanelOperand<Weight>{down}, out_dims[1], out->typed_data());
+           PanelOperand<Weight>{up}, PanelOperand<Weight>{down}, out_dims[1], out->typed_data(), norm);
   return ffi::Error::Success();
 }
 
-ffi::Error GatedMlpF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> gate,
-                       ffi::Buffer<ffi::F32> up, ffi::Buffer<ffi::F32> down, ffi::ResultBuffer<ffi::F32> out,
-                       int64_t mlp_width) {
+ffi::Error GatedMlpF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> norm_weight,
+                       ffi::Buffer<ffi::F32> gate, ffi::Buffer<ffi::F32> up, ffi::Buffer<ffi::F32> down,
+                       ffi::ResultBuffer<ffi::F32> out, int64_t mlp_width, float norm_eps) {
   const auto gate_dims = gate.dimensions(), down_dims = down.dimensions();
   if (ffi::Error error = CheckGatedShapes(x.dimensions(), gate_dims, up.dimensions(), down_dims, mlp_width, false);
       error.failure()) {
     return error;
   }
-  return RunGatedMlp(pool, x, gate.typed_data(), up.typed_data(), down.typed_data(), gate_dims, down_dims, mlp_width,
-                     out);
+  return RunGatedMlp(pool, x, norm_weight, gate.typed_data(), up.typed_data(), down.typed_data(), gate_dims,
+                     down_dims, mlp_width, norm_eps, out);
 }
 
-ffi::Error GatedMlpBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer gate, ffi::AnyBuffer up,
-                        ffi::AnyBuffer down, ffi::ResultBuffer<ffi::F32> out, int64_t mlp_width) {
+ffi::Error GatedMlpBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> norm_weight,
+                        ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down, ffi::ResultBuffer<ffi::F32> out,
+                        int64_t mlp_width, float norm_eps) {
   for (const ffi::AnyBuffer* weight : {&gate, &up, &down}) {
     if (weight->element_type() != ffi::DataType::BF16) {
       return ffi::Error::InvalidArgument("expected bf16 panels for gate, up and down");
@@ -191,7 +196,8 @@ ffi::Error GatedMlpBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
     return error;
   }
   auto pairs_of = [](const ffi::AnyBuffer& weight) { return reinterpret_cast<const Bf16Pair*>(weight.untyped_data()); };
-  return RunGatedMlp(pool, x, pairs_of(gate), pairs_of(up), pairs_of(down), gate_dims, down_dims, mlp_width, out);
+  return RunGatedMlp(pool, x, norm_weight, pairs_of(gate), pairs_of(up), pairs_of(down), gate_dims, down_dims,
+                     mlp_width, norm_eps, out);
 }
 
 }  // namespace
@@ -200,18 +206,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuGatedMlpF32, GatedMlpF32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x: [T, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // norm_weight: [K], or [0] for no norm
                                   .Arg<ffi::Buffer<ffi::F32>>()  // gate: [ceil(F / 48), K, 48]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // up: [ceil(F / 48), K, 48]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // down: [Pd, F, 48]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out: [T, N], N <= Pd * 48
-                                  .Attr<int64_t>("mlp_width"));  // F
+                                  .Attr<int64_t>("mlp_width")    // F
+                                  .Attr<float>("norm_eps"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuGatedMlpBf16, GatedMlpBf16,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x: [T, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // norm_weight: [K], or [0] for no norm
                                   .Arg<ffi::AnyBuffer>()         // gate: bf16[ceil(F / 48), ceil(K / 2), 48, 2]
                                   .Arg<ffi::AnyBuffer>()         // up: the same
                                   .Arg<ffi::AnyBuffer>()         // down: bf16[Pd, ceil(F / 2), 48, 2]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out: [T, N], N <= Pd * 48
-                                  .Attr<int64_t>("mlp_width"));  // F
+                                  .Attr<int64_t>("mlp_width")    // F
+                                  .Attr<float>("norm_eps"));

@@ -15,14 +15,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu_panel_matmul import PANEL_WIDTH, panel_matmul_reference
+from pallas_kernels.cpu_panel_matmul import PANEL_WIDTH, norm_operands, panel_matmul_reference, rms_norm_reference
 from pallas_kernels.native_library import GATED_MLP_TARGETS, native_kernel_error
 
 
 def gated_mlp_reference(
-    x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, mlp_width: int, hidden: int
+    x: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    mlp_width: int,
+    hidden: int,
+    norm_weight: jax.Array | None = None,
+    norm_eps: float = 0.0,
 ) -> jax.Array:  # f32[T, hidden]
-    """down(silu(x @ gate) * (x @ up)) in jnp, each product as panel_matmul_reference computes it.
+    """down(silu(x @ gate) * (x @ up)) in jnp, each product as panel_matmul_reference computes it (x RMS-normed first,
+    rms_norm_reference, where a norm weight is given).
 
     Args:
       x: f32[T, K] activation rows.
@@ -31,15 +39,27 @@ def gated_mlp_reference(
       down: the [F, hidden] weight as panels of the same dtype.
       mlp_width: F, gate's and up's columns before padding.
       hidden: down's columns before padding.
+      norm_weight: [K], an RMS norm's scale applied to x's rows first, or None.
+      norm_eps: the norm's eps.
     """
+    if norm_weight is not None:
+        x = rms_norm_reference(x, norm_weight, norm_eps)
     h = jax.nn.silu(panel_matmul_reference(x, gate, mlp_width)) * panel_matmul_reference(x, up, mlp_width)
     return panel_matmul_reference(h, down, hidden)
 
 
 def gated_mlp_cpu(
-    x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, mlp_width: int, hidden: int
+    x: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    mlp_width: int,
+    hidden: int,
+    norm_weight: jax.Array | None = None,
+    norm_eps: float = 0.0,
 ) -> jax.Array:  # f32[T, hidden]
-    """gated_mlp_reference through the native kernel (f32 x; f32 or bf16 panels, all three alike; any T; on CPU).
+    """gated_mlp_reference through the native kernel (f32 x; f32 or bf16 panels, all three alike; any T; on CPU). A norm
+    is applied to x's rows as they are packed (panel_matmuls_cpu's numerics).
 
     Args:
       x: f32[T, K] activation rows.
@@ -48,6 +68,8 @@ def gated_mlp_cpu(
       down: the [F, hidden] weight as panels of the same dtype.
       mlp_width: F, gate's and up's columns before padding.
       hidden: down's columns before padding (the kernel writes only these).
+      norm_weight: [K], an RMS norm's scale applied to x's rows first, or None.
+      norm_eps: the norm's eps.
     """
     error = native_kernel_error()
     if error is not None:
@@ -78,6 +100,7 @@ def gated_mlp_cpu(
             f"K = {depth}; expected shapes {expected} for {dtype}); got x {list(x.shape)} and "
             f"{wrong or weights['gate'].dtype}"
         )
+    norm_weight, norm_eps = norm_operands(norm_weight, norm_eps, depth)
     target, _ = GATED_MLP_TARGETS[dtype]
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, hidden), jnp.float32))  # no padding columns written
-    return call(x.astype(jnp.float32), gate, up, down, mlp_width=np.int64(mlp_width))
+    return call(x.astype(jnp.float32), norm_weight, gate, up, down, mlp_width=np.int64(mlp_width), norm_eps=norm_eps)

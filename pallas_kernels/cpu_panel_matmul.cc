@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -161,9 +162,10 @@ ffi::Error PanelMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
 // block's q, k and v on SmolLM2, bf16 panels on a 2-core Zen 4: as one 960-column product, 2048 rows took 6.1 ms
 // against 3.6 + 1.5 + 1.5 in three calls, and 16 rows 0.072 against 0.093: x packed three times, and k's and v's 4
 // panels split finely.)
+// norm_weight: an RMS norm's weight f32[K], applied to x's rows as they are packed (RowNorm), or f32[0] for none.
 template <typename Weight>
-ffi::Error RunPanelMatmuls(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
-                           ffi::RemainingRets outs) {
+ffi::Error RunPanelMatmuls(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> norm_weight,
+                           ffi::RemainingArgs weights, ffi::RemainingRets outs, float norm_eps) {
   constexpr bool kPairs = std::is_same_v<Weight, Bf16Pair>;
   const ffi::DataType weight_type = kPairs ? ffi::DataType::BF16 : ffi::DataType::F32;
   const auto x_dims = x.dimensions();
@@ -172,6 +174,8 @@ ffi::Error RunPanelMatmuls(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::
   }
   const int64_t t_size = x_dims[0], x_width = x_dims[1], k_size = kPairs ? (x_width + 1) / 2 : x_width;
   const size_t rank = kPairs ? 4 : 3;
+  RowNorm norm;
+  if (ffi::Error error = NormOf(norm_weight, x_width, norm_eps, norm); error.failure()) return error;
   struct Product {
     PanelOperand<Weight> weight;
     float* out;
@@ -209,7 +213,8 @@ ffi::Error RunPanelMatmuls(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::
     first_items.push_back(first_items.back() + splits.back().NumItems());
   }
   std::vector<float> packed;  // back to packed_buffers at the end
-  const float* packed_x = PackRowTiles(pool, x.typed_data(), t_size, x_width, splits[0].tile_rows, kPairs, packed);
+  const float* packed_x =
+      PackRowTiles(pool, x.typed_data(), t_size, x_width, splits[0].tile_rows, kPairs, packed, norm);
   auto item = [&](int64_t i) {
     size_t p = 0;
     while (i >= first_items[p + 1]) ++p;
@@ -220,14 +225,14 @@ ffi::Error RunPanelMatmuls(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::
   return ffi::Error::Success();
 }
 
-ffi::Error PanelMatmulsF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
-                           ffi::RemainingRets outs) {
-  return RunPanelMatmuls<float>(pool, x, weights, outs);
+ffi::Error PanelMatmulsF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> norm_weight,
+                           ffi::RemainingArgs weights, ffi::RemainingRets outs, float norm_eps) {
+  return RunPanelMatmuls<float>(pool, x, norm_weight, weights, outs, norm_eps);
 }
 
-ffi::Error PanelMatmulsBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
-                            ffi::RemainingRets outs) {
-  return RunPanelMatmuls<Bf16Pair>(pool, x, weights, outs);
+ffi::Error PanelMatmulsBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> norm_weight,
+                            ffi::RemainingArgs weights, ffi::RemainingRets outs, float norm_eps) {
+  return RunPanelMatmuls<Bf16Pair>(pool, x, norm_weight, weights, outs, norm_eps);
 }
 
 }  // namespace
@@ -259,12 +264,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuPanelMatmulsF32, PanelMatmulsF32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x: [T, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // norm_weight: [K], or [0] for no norm
                                   .RemainingArgs()               // each weight's panels: [P_i, K, 48]
-                                  .RemainingRets());             // each product: [T, N_i <= P_i * 48]
+                                  .RemainingRets()               // each product: [T, N_i <= P_i * 48]
+                                  .Attr<float>("norm_eps"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxkvCpuPanelMatmulsBf16, PanelMatmulsBf16,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x: [T, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // norm_weight: [K], or [0] for no norm
                                   .RemainingArgs()               // each weight's panels: bf16[P_i, ceil(K / 2), 48, 2]
-                                  .RemainingRets());             // each product: [T, N_i <= P_i * 48]
+                                  .RemainingRets()               // each product: [T, N_i <= P_i * 48]
+                                  .Attr<float>("norm_eps"));

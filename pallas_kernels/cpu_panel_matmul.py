@@ -35,6 +35,7 @@ own call splits it, so each output is that call's bits.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.native_library import (
     PANEL_MATMUL_TARGETS,
@@ -207,15 +208,48 @@ def panel_matmul_cpu(
     return call(*operands)
 
 
-def panel_matmuls_cpu(x: jax.Array, panels: list[jax.Array], columns: list[int]) -> list[jax.Array]:
+def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:  # f32[T, K]
+    """x's rows RMS-normed in f32, as models.layers.RMSNorm computes them: x * rsqrt(mean(x * x) + eps) * weight.
+
+    Args:
+      x: [T, K] rows.
+      weight: [K], the norm's scale.
+      eps: added to each row's mean square.
+    """
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return normed * weight.astype(jnp.float32)
+
+
+def norm_operands(norm_weight: jax.Array | None, norm_eps: float, depth: int) -> tuple[jax.Array, np.float32]:
+    """The native calls' norm operands: the weight as f32[K] (f32[0] for no norm) and eps, checked against x's K."""
+    if norm_weight is None:
+        return jnp.zeros((0,), jnp.float32), np.float32(0.0)
+    if tuple(norm_weight.shape) != (depth,):
+        shape = list(norm_weight.shape)
+        raise ValueError(f"the RMS norm's weight must be [K] = [{depth}] over x's columns; got {shape}")
+    return norm_weight.astype(jnp.float32), np.float32(norm_eps)
+
+
+def panel_matmuls_cpu(
+    x: jax.Array,
+    panels: list[jax.Array],
+    columns: list[int],
+    norm_weight: jax.Array | None = None,
+    norm_eps: float = 0.0,
+) -> list[jax.Array]:
     """[panel_matmul_cpu(x, p, n) for p, n in zip(panels, columns)] in one native call: x is rounded and packed once and
     every product's work goes over the threads together (an attention block's q, k and v). Each output is the
-    separate call's, bit for bit.
+    separate call's, bit for bit. With a norm weight, the products take rms_norm_reference(x, norm_weight, norm_eps)
+    instead, normed as x is packed (the normed rows never go to memory; the squares summed in another order than
+    XLA's, so within an f32 rounding of the normed x's products).
 
     Args:
       x: f32[T, K] activation rows.
       panels: the weights, all f32[P_i, K, 48] (pack_panels) or all bf16[P_i, ceil(K / 2), 48, 2] (pack_panels_bf16).
       columns: each weight's N before padding.
+      norm_weight: [K], an RMS norm's scale applied to x's rows first, or None.
+      norm_eps: the norm's eps.
     """
     error = native_kernel_error()
     if error is not None:
@@ -235,6 +269,7 @@ def panel_matmuls_cpu(x: jax.Array, panels: list[jax.Array], columns: list[int])
     for p, n in zip(panels, columns, strict=True):
         if not 0 <= n <= p.shape[0] * PANEL_WIDTH:
             raise ValueError(f"columns={n} does not fit {p.shape[0]} panels of {PANEL_WIDTH}")
+    norm_weight, norm_eps = norm_operands(norm_weight, norm_eps, depth)
     target, _ = PANEL_MATMULS_TARGETS[dtype]
     shapes = [jax.ShapeDtypeStruct((rows, n), jnp.float32) for n in columns]
-    return list(jax.ffi.ffi_call(target, shapes)(x.astype(jnp.float32), *panels))
+    return list(jax.ffi.ffi_call(target, shapes)(x.astype(jnp.float32), norm_weight, *panels, norm_eps=norm_eps))

@@ -98,6 +98,45 @@ PackedBuffers packed_buffers;
 // Contraction steps of a tile's rows that PackRowTiles rounds to bf16 pairs at a time (4 KiB of them for 8 rows).
 constexpr int64_t kRoundSteps = 128;
 
+// An RMS layer norm that PackRowTiles applies to x's rows as it packs them, so that the product takes norm(x) without
+// the normed rows ever reaching memory: row * r * weight, r = 1 / sqrt(mean(row * row) + eps), in jnp's order
+// (models.layers.RMSNorm). No weight: the rows are packed as they are.
+struct RowNorm {
+  const float* weight = nullptr;  // [K]
+  float eps = 0.0f;
+};
+
+// The RowNorm of a native call's norm weight: f32[K] over x's K columns, or f32[0] for none (into `norm`).
+inline ffi::Error NormOf(const ffi::Buffer<ffi::F32>& weight, int64_t k_size, float eps, RowNorm& norm) {
+  const auto dims = weight.dimensions();
+  if (dims.size() != 1 || (dims[0] != 0 && dims[0] != k_size)) {
+    return ffi::Error::InvalidArgument("expected a norm weight f32[K] over x's K columns, or f32[0] for none");
+  }
+  norm = dims[0] == 0 ? RowNorm{} : RowNorm{weight.typed_data(), eps};
+  return ffi::Error::Success();
+}
+
+// 1 / sqrt(mean(row[0:n] * row[0:n]) + eps), the squares summed kLanes partial sums at a time.
+inline float NormScale(const float* row, int64_t n, float eps) {
+  Vec lanes{};
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) {
+    const Vec v = LoadVec(row + k);
+    lanes += v * v;
+  }
+  float sum = HorizontalSum(lanes);
+  for (; k < n; ++k) sum += row[k] * row[k];
+  return 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+}
+
+// to[0:n] = (row[0:n] * scale) * weight[0:n].
+inline void NormValues(const float* row, const float* weight, float scale, int64_t n, float* to) {
+  const Vec splat = Splat(scale);
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) StoreVec(to + k, (LoadVec(row + k) * splat) * LoadVec(weight + k));
+  for (; k < n; ++k) to[k] = (row[k] * scale) * weight[k];
+}
+
 // x[T, K]'s rows packed tile by tile into `packed` for the tiles' AccumulateTile: the tile of rows [t0, t0 + h) (h =
 // tile_rows, or the rows left at the end) at + t0 * S, laid out [S, h], each step's h values side by side, over S
 // steps a row. A step is one of x's values (S = K), or with `pairs` (bf16 panels) a pair of them rounded to bf16
@@ -106,26 +145,52 @@ constexpr int64_t kRoundSteps = 128;
 // rows' steps at a time into a buffer in the first-level cache and packs them from there. (Rounded whole rows first,
 // then packed, took two more passes through memory over the rounded rows and two dispatches to the pool: on a 2-core
 // Zen 4, 2048 x 576 x 192 in bf16 1.45 -> 1.37 ms, 2048 x 1536 x 576 10.0 -> 9.7.) One f32 row is its own packing. The
-// copy is T x S floats (a few microseconds at a decode batch's 32 rows, beside 30-300 of multiply-adds).
+// copy is T x S floats (a few microseconds at a decode batch's 32 rows, beside 30-300 of multiply-adds). With a
+// `norm`, each row's values are normed (RowNorm) kRoundSteps steps at a time into the first-level cache first.
 const float* PackRowTiles(ffi::ThreadPool& pool, const float* x, int64_t t_size, int64_t k_size, int64_t tile_rows,
-                          bool pairs, std::vector<float>& packed) {
-  if (t_size == 1 && !pairs) return x;
+                          bool pairs, std::vector<float>& packed, RowNorm norm = {}) {
+  if (t_size == 1 && !pairs && norm.weight == nullptr) return x;
   const int64_t steps = pairs ? (k_size + 1) / 2 : k_size;
   packed = packed_buffers.Take(t_size * steps);
   float* to = packed.data();
   auto pack = [&](int64_t tile) {
     const int64_t t0 = tile * tile_rows, rows = std::min(tile_rows, t_size - t0);
     float* tile_to = to + t0 * steps;
+    float scales[kRowBlock];  // each row's RowNorm scale
+    if (norm.weight != nullptr) {
+      for (int64_t r = 0; r < rows; ++r) scales[r] = NormScale(x + (t0 + r) * k_size, k_size, norm.eps);
+    }
+    // Values [k, k + n) of tile row r: x's own, or normed into `buffer`.
+    auto values_of = [&](int64_t r, int64_t k, int64_t n, float* buffer) -> const float* {
+      const float* row = x + (t0 + r) * k_size + k;
+      if (norm.weight == nullptr) return row;
+      NormValues(row, norm.weight + k, scales[r], n, buffer);
+      return buffer;
+    };
     if (!pairs) {
-      if (rows == kRowBlock) return PackFullTile(x + t0 * k_size, k_size, k_size, tile_to);
-      return PackSteps(x + t0 * k_size, k_size, rows, 0, k_size, tile_to);
+      if (norm.weight == nullptr) {
+        if (rows == kRowBlock) return PackFullTile(x + t0 * k_size, k_size, k_size, tile_to);
+        return PackSteps(x + t0 * k_size, k_size, rows, 0, k_size, tile_to);
+      }
+      alignas(64) float normed[kRowBlock * kRoundSteps];  // [rows][kRoundSteps] values
+      for (int64_t k0 = 0; k0 < steps; k0 += kRoundSteps) {
+        const int64_t chunk = std::min(kRoundSteps, steps - k0);
+        for (int64_t r = 0; r < rows; ++r) values_of(r, k0, chunk, normed + r * kRoundSteps);
+        if (rows == kRowBlock) {
+          PackFullTile(normed, kRoundSteps, chunk, tile_to + k0 * rows);
+        } else {
+          PackSteps(normed, kRoundSteps, rows, 0, chunk, tile_to + k0 * rows);
+        }
+      }
+      return;
     }
     alignas(64) float rounded[kRowBlock * kRoundSteps];  // [rows][kRoundSteps] pairs
+    alignas(64) float normed[2 * kRoundSteps];           // a row's values of a chunk, when normed
     for (int64_t k0 = 0; k0 < steps; k0 += kRoundSteps) {
       const int64_t chunk = std::min(kRoundSteps, steps - k0), values = std::min(2 * chunk, k_size - 2 * k0);
       for (int64_t r = 0; r < rows; ++r) {
         uint16_t* row_to = reinterpret_cast<uint16_t*>(rounded + r * kRoundSteps);
-        RoundToBf16s(x + (t0 + r) * k_size + 2 * k0, values, row_to);
+        RoundToBf16s(values_of(r, 2 * k0, values, normed), values, row_to);
         if (values % 2) row_to[values] = 0;
       }
       if (rows == kRowBlock) {

@@ -74,7 +74,8 @@ def _device_split(engine, loaded, rounds: int = 20) -> dict:
     the sampler alone.
 
     Each variant is the step's forward compiled with one more part of every layer replaced: attention by the KV
-    write alone, then the KV write too, then the MLP, then the attention block's projections, RoPE and norms.
+    write alone, then the KV write too, then the MLP with its norm, then the attention block's norm, projections and
+    RoPE (each block's norm runs in its first native product, models.layers.project_together and GatedMLP).
     Consecutive differences give each part's share; what is left is the embedding, the lm_head and the sampler.
     Every variant is compiled first and the variants then run in turn, `rounds` times, so a slow spell of a
     shared machine falls on all of them alike; `spread_ms` is the largest interquartile range among them, the
@@ -115,10 +116,10 @@ def _device_split(engine, loaded, rounds: int = 20) -> dict:
         # projections and RoPE too, and kv_write_ms would count them.
         return q + 0.0 * (jnp.sum(k) + jnp.sum(v)), kv_pages
 
-    def no_mlp(self, x):
+    def no_mlp(self, x, norm=None):
         return jnp.zeros_like(x)
 
-    def no_attention_block(self, x, rope, kv_pages, metadata):
+    def no_attention_block(self, x, rope, kv_pages, metadata, norm=None):
         return jnp.zeros_like(x), kv_pages
 
     removals = [

@@ -1,5 +1,5 @@
 """The native gated MLP (pallas_kernels/cpu_gated_mlp.cc) against the exact gated MLP in float64, its rows against
-themselves in other batches, and the model's MLP through it."""
+themselves in other batches, with an RMS norm of its input rows, and the model's MLP through it."""
 
 import jax
 import jax.numpy as jnp
@@ -8,9 +8,16 @@ import pytest
 from flax import nnx
 
 import models
-from models.layers import GatedMLP, _fuses_gated_mlp
+from models.layers import GatedMLP, RMSNorm, _fuses_gated_mlp
 from models.packed_weights import PanelWeight, pack_projections_in_place
-from pallas_kernels import gated_mlp_cpu, gated_mlp_reference, pack_panels, pack_panels_bf16, panel_matmul_cpu
+from pallas_kernels import (
+    gated_mlp_cpu,
+    gated_mlp_reference,
+    pack_panels,
+    pack_panels_bf16,
+    panel_matmul_cpu,
+    panel_matmuls_cpu,
+)
 from pallas_kernels.native_library import native_kernel_error
 
 pytestmark = pytest.mark.skipif(native_kernel_error() is not None, reason="the native CPU kernels do not build here")
@@ -96,6 +103,21 @@ def test_a_row_is_the_same_bits_alone_in_a_few_rows_and_in_many(dtype):
         np.testing.assert_array_equal(alone[0], together[row])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows", [1, 9, 65, 300])
+def test_a_normed_mlp_is_the_bits_of_the_mlp_of_its_rows_as_the_kernel_norms_them(dtype, rows):
+    """With a norm weight, the MLP takes x's rows RMS-normed as they are packed: the same bits as the MLP of those
+    normed rows (read back as their product with an f32 identity, which is exact; panel_matmuls_cpu's tests check the
+    norm itself against float64)."""
+    x, weights = _case(rows, rows, 576, 1536, dtype, scale=5.0)
+    panels = [PACKS[dtype](w) for w in weights]
+    norm_weight = jnp.asarray(1.0 + 0.3 * np.random.default_rng(rows).standard_normal(576), jnp.float32)
+    identity = pack_panels(jnp.eye(576, dtype=jnp.float32))
+    normed = panel_matmuls_cpu(x, [identity], [576], norm_weight, 1e-5)[0]
+    fused = np.asarray(gated_mlp_cpu(x, *panels, 1536, 576, norm_weight, 1e-5))
+    np.testing.assert_array_equal(fused, np.asarray(gated_mlp_cpu(normed, *panels, 1536, 576)))
+
+
 def test_the_products_are_the_panel_matmuls_and_silu_is_within_two_roundings_of_xlas():
     """Against the unfused native path (three panel matmuls, XLA's silu between): gate's and up's sums and the down
     projection are the same kernel's, so in f32 only silu's evaluation differs."""
@@ -158,3 +180,32 @@ def test_the_models_mlp_is_one_native_call_when_its_weights_are_f32_or_bf16_pane
         return
     assert _fuses_gated_mlp(x, packed) and len(calls) == 1
     np.testing.assert_array_equal(out, np.asarray(gated_mlp_cpu(x, *(w.panels for w in packed), 100, 64)))
+
+
+def test_the_models_mlp_takes_its_norm_into_the_native_call():
+    """GatedMLP(x, norm) over f32 panels passes the norm's weight and eps to the one native call (no rsqrt left in the
+    program); over [K, N] weights it is the MLP of the norm's output."""
+    config = models.ModelConfig(
+        model_type="llama",
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=100,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+    )
+    mlp = GatedMLP(config, param_dtype=jnp.float32, native_matmul=True, rngs=None)
+    rng = np.random.default_rng(8)
+    for name, shape in (("gate", (64, 100)), ("up", (64, 100)), ("down", (100, 64))):
+        getattr(mlp, name).set_value(jnp.asarray(rng.standard_normal(shape) * 0.1, jnp.float32))
+    norm = RMSNorm(64, eps=1e-6, param_dtype=jnp.float32)
+    norm.weight[...] = jnp.asarray(1.0 + 0.3 * rng.standard_normal(64), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((9, 64)) * 3, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(mlp(x, norm=norm)), np.asarray(mlp(norm(x))))
+    pack_projections_in_place(nnx.state(mlp), None, bf16=False)
+    panels = [w.panels for w in (mlp.gate[...], mlp.up[...], mlp.down[...])]
+    fused = np.asarray(mlp(x, norm=norm))
+    np.testing.assert_array_equal(fused, np.asarray(gated_mlp_cpu(x, *panels, 100, 64, norm.weight[...], 1e-6)))
+    jaxpr = str(jax.make_jaxpr(lambda x: mlp(x, norm=norm))(x))
+    assert jaxpr.count("paxkv_cpu_gated_mlp_f32") == 1 and "rsqrt" not in jaxpr
