@@ -32,6 +32,17 @@ SHAPES = [(576, 1536), (64, 100), (33, 47), (50, 97), (3, 20)]
 # rows), and a ragged last chunk.
 ROWS = [1, 7, 9, 33, 64, 65, 100]
 PACKS = {"float32": pack_panels, "bfloat16": pack_panels_bf16}
+# A model config whose MLP is 64 -> 100 -> 64 (the model-level tests).
+MLP_CONFIG = models.ModelConfig(
+    model_type="llama",
+    vocab_size=32,
+    hidden_size=64,
+    intermediate_size=100,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=32,
+)
 
 
 def _silu(g):
@@ -148,17 +159,7 @@ def test_wrong_operands_are_refused_with_the_expected_layout():
 def test_the_models_mlp_is_one_native_call_when_its_weights_are_f32_or_bf16_panels(monkeypatch, dtype, quantization):
     """GatedMLP with its three weights packed as an engine packs them on this CPU calls gated_mlp_cpu once and returns
     its result; with [K, N] weights, or int8 panels, it keeps the three projections."""
-    config = models.ModelConfig(
-        model_type="llama",
-        vocab_size=32,
-        hidden_size=64,
-        intermediate_size=100,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=32,
-    )
-    mlp = GatedMLP(config, param_dtype=jnp.dtype(dtype), native_matmul=True, rngs=None)
+    mlp = GatedMLP(MLP_CONFIG, param_dtype=jnp.dtype(dtype), native_matmul=True, rngs=None)
     rng = np.random.default_rng(5)
     for name, shape in (("gate", (64, 100)), ("up", (64, 100)), ("down", (100, 64))):
         getattr(mlp, name).set_value(jnp.asarray(rng.standard_normal(shape) * 0.1, dtype))
@@ -185,17 +186,7 @@ def test_the_models_mlp_is_one_native_call_when_its_weights_are_f32_or_bf16_pane
 def test_the_models_mlp_takes_its_norm_into_the_native_call():
     """GatedMLP(x, norm) over f32 panels passes the norm's weight and eps to the one native call (no rsqrt left in the
     program); over [K, N] weights it is the MLP of the norm's output."""
-    config = models.ModelConfig(
-        model_type="llama",
-        vocab_size=32,
-        hidden_size=64,
-        intermediate_size=100,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=32,
-    )
-    mlp = GatedMLP(config, param_dtype=jnp.float32, native_matmul=True, rngs=None)
+    mlp = GatedMLP(MLP_CONFIG, param_dtype=jnp.float32, native_matmul=True, rngs=None)
     rng = np.random.default_rng(8)
     for name, shape in (("gate", (64, 100)), ("up", (64, 100)), ("down", (100, 64))):
         getattr(mlp, name).set_value(jnp.asarray(rng.standard_normal(shape) * 0.1, jnp.float32))
