@@ -34,6 +34,11 @@
 // f32. x is rounded to bf16 as it is packed, once per call (PackRowTiles), and from there every path is the f32 one
 // with Bf16Pair weights and half as many steps: the same tiles, blocks, packing and prefetches (a block of pairs holds
 // as many bytes as an f32 block of as many steps).
+//
+// The several-weight call (PaxkvCpuPanelMatmuls*, an attention block's q, k and v) and the gated MLP can take an RMS
+// norm's weight: the packing norms each row of x as it copies it (RowNorm), so a pre-norm block's norm costs no pass
+// of its own over memory and no programs of XLA's (30 SmolLM2 layers' q/k/v and MLP on a 2-core Zen 4, against XLA's
+// norm first: 1% faster in f32, 1.5-2% in bf16).
 
 #include <algorithm>
 #include <atomic>

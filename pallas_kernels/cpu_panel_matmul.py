@@ -30,7 +30,8 @@ to the output: x @ (q * scale + min) up to f32 rounding. At one row a weight str
 
 panel_matmuls_cpu multiplies one x by several f32 or bf16 panel weights in one call (an attention block's q, k and v):
 x is rounded and packed once, and every product's work items go over the threads together, each product split as its
-own call splits it, so each output is that call's bits.
+own call splits it, so each output is that call's bits. Given an RMS norm's weight, it norms x's rows as it packs them
+(rms_norm_reference's formula, the squares summed in the kernel's own order).
 """
 
 import jax
