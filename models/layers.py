@@ -18,6 +18,7 @@ from pallas_kernels import (
     native_matmul_reads,
     panel_matmul_cpu,
     panel_matmuls_cpu,
+    rms_norm_reference,
     small_matmul_cpu,
 )
 
@@ -183,9 +184,7 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((size,), param_dtype), logical_axes=(logical_axis,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+        return rms_norm_reference(x, self.weight[...], self.eps).astype(x.dtype)
 
 
 def norm_operands(norm: RMSNorm | None) -> tuple[jax.Array | None, float]:

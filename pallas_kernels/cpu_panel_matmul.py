@@ -209,11 +209,11 @@ def panel_matmul_cpu(
     return call(*operands)
 
 
-def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:  # f32[T, K]
-    """x's rows RMS-normed in f32, as models.layers.RMSNorm computes them: x * rsqrt(mean(x * x) + eps) * weight.
+def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:  # f32[..., K]
+    """x RMS-normed over its last axis in f32 (models.layers.RMSNorm): x * rsqrt(mean(x * x) + eps) * weight.
 
     Args:
-      x: [T, K] rows.
+      x: [..., K] rows.
       weight: [K], the norm's scale.
       eps: added to each row's mean square.
     """
