@@ -95,7 +95,8 @@ class PackedBuffers {
 };
 PackedBuffers packed_buffers;
 
-// Contraction steps of a tile's rows that PackRowTiles rounds to bf16 pairs at a time (4 KiB of them for 8 rows).
+// Contraction steps of a tile's rows that PackRowTiles rounds to bf16 pairs, or norms (RowNorm), at a time (4 KiB of
+// them for 8 rows).
 constexpr int64_t kRoundSteps = 128;
 
 // An RMS layer norm that PackRowTiles applies to x's rows as it packs them, so that the product takes norm(x) without
