@@ -124,6 +124,13 @@ class EngineConfig:
         "token bucket.",
     )
     max_model_len: int | None = option(None, "Longest prompt plus output (default: min(model context, 4096)).")
+    num_scheduler_steps: int = option(
+        8,
+        "Decode passes one step may chain on the device, each pass's token the next one's input (vLLM's multi-step "
+        "scheduling): the host then schedules and reads back once per that many tokens. Only while every request "
+        "decodes, wants only its final output (LLM.generate, the batch runner), samples without penalties, logprobs "
+        "or min_tokens, and none waits, and never with speculative decoding; the tokens are the same. 1 turns it off.",
+    )
     kv_cache_dtype: str = option(
         "auto",
         "KV pool dtype; auto is the activations' (f32 on CPU, bf16 on TPU/GPU); fp8 and int8 store a bf16 scale "
@@ -173,13 +180,21 @@ class EngineConfig:
             "min_padded_seqs",
             "min_padded_tokens",
             "max_model_len",
+            "num_scheduler_steps",
             "seed",
             "swap_space_bytes",
         ):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (bool, int)) and hasattr(value, "__index__"):
                 object.__setattr__(self, name, operator.index(value))
-        positive = ("page_size", "max_num_seqs", "max_num_batched_tokens", "min_padded_tokens", "kv_cache_memory_bytes")
+        positive = (
+            "page_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "min_padded_tokens",
+            "kv_cache_memory_bytes",
+            "num_scheduler_steps",
+        )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -15,6 +15,7 @@ from paxkv.config import EngineConfig
 from paxkv.core.metrics import EngineMetrics
 from paxkv.core.output_processor import OutputProcessor
 from paxkv.core.outputs import RequestOutput
+from paxkv.execution.chained_decode import num_chained_compilations
 from paxkv.execution.draft_proposer import load_draft_model, num_draft_compilations
 from paxkv.execution.kv_pool import KVPool
 from paxkv.execution.model_runner import ModelRunner
@@ -95,20 +96,24 @@ class Engine:
     def max_step_programs(self) -> int:
         """The most distinct step programs this engine can need: a forward per (T bucket, S bucket) and a sampling
         per (S bucket, 16 variants: penalties, min_tokens, logprobs, all greedy), each times the draft-row buckets
-        (and none) when it speculates, and a draft model's program per (T, S)."""
+        (and none) when it speculates, a draft model's program per (T, S), and without speculation a chained decode
+        program per (S bucket, greedy or not) where num_scheduler_steps > 1."""
         config = self.config
         num_seq_buckets = num_buckets(config.max_num_seqs)
         num_forwards = len(self.runner.padding.token_buckets(config.max_num_batched_tokens)) * num_seq_buckets
         programs = num_forwards + num_seq_buckets * 16
         if config.speculative_config is not None:
             programs *= 1 + num_buckets(config.max_num_seqs * config.speculative_config.num_speculative_tokens)
+        elif config.num_scheduler_steps > 1:
+            programs += num_seq_buckets * 2  # chained decode passes: greedy or drawing (execution.chained_decode)
         return programs + (num_forwards if self.runner.draft is not None else 0)
 
     @property
     def num_compilations(self) -> int:
-        """Distinct step programs (a draft model's included) compiled so far: jitted ones in this process, and ones
-        this engine compiled ahead of use (execution.ahead_compiler)."""
-        return num_step_compilations() + num_draft_compilations() + self.runner.ahead.num_programs
+        """Distinct step programs (a draft model's and chained decode passes' included) compiled so far: jitted ones in
+        this process, and ones this engine compiled ahead of use (execution.ahead_compiler)."""
+        compiled = num_step_compilations() + num_draft_compilations() + num_chained_compilations()
+        return compiled + self.runner.ahead.num_programs
 
     def add_request(
         self,
@@ -150,7 +155,10 @@ class Engine:
         """Run one scheduled batch; return the outputs of the requests that advanced (but a final_only request's only
         when it finished)."""
         start, quiet = time.monotonic(), self.runner.ahead.quiet_mark()
-        batch = self.scheduler.schedule()
+        # Chained decode passes (paxkv.scheduling.decode_chaining) give their tokens several at a time: only where no
+        # caller reads outputs step by step, and never beside speculation, which has its own tokens per step.
+        chain = self.drafter is None and not self.outputs.any_streaming()
+        batch = self.scheduler.schedule(self.config.num_scheduler_steps if chain else 1)
         if batch.is_empty:
             return []
         self.outputs.adopt(batch.forked)

@@ -118,6 +118,10 @@ class OutputProcessor:
         group.samples.append(sample)
         self.samples[request.request_id] = sample
 
+    def any_streaming(self) -> bool:
+        """Whether a caller reads some unfinished request's outputs as they come (a request not final_only)."""
+        return not all(group.final_only for group in self.groups.values())
+
     def seed_of(self, request_id: str) -> int:
         """The seed of a sample, by its scheduler request id."""
         return self.samples[request_id].seed

@@ -15,6 +15,7 @@ from pallas_kernels import pages_for
 from paxkv.config import EngineConfig
 from paxkv.execution.ahead_compiler import AheadCompiler, abstract
 from paxkv.execution.aot import AbstractEngine, check_step_fits, compile_step, device_memory, step_buckets
+from paxkv.execution.chained_decode import ChainArrays, ChainedRows, chained_decode_step, first_pass_batch
 from paxkv.execution.draft_proposer import DraftModelProposer
 from paxkv.execution.kv_pool import KVPool
 from paxkv.execution.step import (
@@ -180,15 +181,17 @@ class ModelRunner:
             padding=self.padding,
         )
 
-    def run(self, batch: ScheduledBatch, seed_of: Callable[[str], int]) -> LiveRows:
+    def run(self, batch: ScheduledBatch, seed_of: Callable[[str], int]) -> LiveRows | ChainedRows:
         """Move the batch's pages, run the step, and return its sampled tokens, read on the host as they are needed
-        (LiveRows: each sequence's candidates, and the ones it emits).
+        (LiveRows: each sequence's candidates, and the ones it emits; ChainedRows for chained decode passes).
 
         Args:
           batch: a batch the scheduler returned.
           seed_of: request id -> the seed of that sample.
         """
         self.move_pages(batch)
+        if batch.decode_steps > 1:
+            return self._run_chained(batch, seed_of)
         if self.draft is not None:  # the draft model runs first: its drafts fill the scheduler's placeholders
             batch, draft_layers = self.draft.fill(batch, self.draft_layers, seed_of)
             self.pool.kv_caches = self.target_layers + draft_layers
@@ -224,6 +227,30 @@ class ModelRunner:
             self.preemption.observe_prefill(batch.num_batched_tokens, time.monotonic() - start)
         # [D, S + R, ...] -> the live candidates, replica by replica (the caller fetches only the fields it reads).
         return LiveRows(sampled, batch, num_rows, num_draft_rows)
+
+    def _run_chained(self, batch: ScheduledBatch, seed_of: Callable[[str], int]) -> ChainedRows:
+        """Run a chained step's decode passes in one program (execution.chained_decode) and read its samples."""
+        step_batch, with_logprobs = self.step_batch(first_pass_batch(batch), seed_of)
+        if with_logprobs or step_batch.token_counts is not None or step_batch.suppress is not None:
+            raise ValueError("a chained step samples plainly: no logprobs, penalties or min_tokens (decode_chaining)")
+        num_rows = step_batch.inputs.logits_indices.shape[-1]
+        greedy_only = step_batch.greedy_only()
+        key = ("chained", step_batch.inputs.tokens.shape[-1], num_rows, batch.decode_steps, greedy_only)
+        self.last_step_compiled = key not in self._ran_programs
+        self.last_step_first_run = False
+        self._ran_programs.add(key)
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            samples, num_run, target_layers = chained_decode_step(
+                self._graph,
+                self._weights,
+                self.target_layers,
+                step_batch,
+                ChainArrays.from_batch(batch, num_rows, list(self.loaded.generation_config.eos_token_ids)),
+                greedy_only,
+                self.native,
+            )
+        self.pool.kv_caches = target_layers + self.draft_layers
+        return ChainedRows(samples, num_run, batch)
 
     def warm_up(self) -> int:
         """Compile every plain step program the budgets allow by running each (T, S) bucket on padding alone (which

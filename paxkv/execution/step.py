@@ -215,7 +215,7 @@ def sample_step(
 
     def replica_sample(logits, batch):
         local = jax.tree.map(lambda leaf: leaf[0], batch)  # this replica's [S, ...] arrays
-        sampled = _sample_rows(logits[0], local, with_logprobs, greedy_only, native)
+        sampled = sample_rows(logits[0], local, with_logprobs, greedy_only, native)
         return jax.tree.map(lambda leaf: leaf[None], sampled)
 
     return per_replica(replica_sample, batch.num_replicas, (), (logits, batch))
@@ -245,10 +245,11 @@ def replicated(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, PartitionSpec())
 
 
-def _sample_rows(
+def sample_rows(
     logits: jax.Array, batch: StepBatch, with_logprobs: bool, greedy_only: bool, native: bool
 ) -> SampledTokens:
-    """The body of sample_step for one replica's rows (logits f32[S + R, vocab], batch leaves [S, ...])."""
+    """The body of sample_step for one replica's rows (logits f32[S + R, vocab], batch leaves [S, ...]), inside a
+    traced program (chained decode passes sample with it too)."""
     drafts = batch.drafts
     num_seqs = batch.sampling.temperature.shape[0]
     sampling = batch.sampling

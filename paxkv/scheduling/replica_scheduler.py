@@ -2,9 +2,11 @@
 
 import bisect
 import collections
+import dataclasses
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 
+from paxkv.scheduling.decode_chaining import PLACEHOLDER_TOKEN, most_passes
 from paxkv.scheduling.page_allocator import PageAllocator
 from paxkv.scheduling.page_sharing import PrefixSharing, SampleForks, check_page_invariants
 from paxkv.scheduling.preemption import PreemptionPolicy
@@ -241,13 +243,15 @@ class ReplicaScheduler:
             tokens = sequence.tokens_given(sampled_tokens)
             num_rejected = sequence.num_draft_tokens - (len(tokens) - 1 if tokens else 0)
             request.num_computed_tokens += sequence.num_new_tokens - num_rejected
-            if sequence.num_draft_tokens and self.drafter.config.method == "draft_model":
+            speculated = sequence.num_draft_tokens and self.drafter is not None  # not a chained step's placeholders
+            if speculated and self.drafter.config.method == "draft_model":
                 # The draft ran over every token of this request before its drafts (caught up), and its KV of the
                 # accepted drafts holds: it now covers what the target's does.
                 previous, request.num_draft_computed = request.num_draft_computed, request.num_computed_tokens
                 self.prefix_sharing.note_draft_kv(request, previous)
             if sequence.num_draft_tokens:
                 self.pages.roll_back(request)
+            if speculated:
                 self.drafter.observe_verified(request, sequence.num_draft_tokens, len(tokens) - 1)
             finish_reason = None
             if tokens:  # the sequence completed its prompt
@@ -362,6 +366,33 @@ class ReplicaScheduler:
         if self.prefix_trie is not None:
             self.prefix_trie.evict(num_pages + reserve - self.allocator.num_free_pages)
         return self.allocator.can_allocate(num_pages + reserve)
+
+    def chain_decodes(self, batch: ReplicaBatch, max_steps: int) -> ReplicaBatch:
+        """Re-plan a step of decodes (decode_chaining.can_chain) as up to max_steps chained decode passes: each
+        sequence takes as many as its request allows (decode_chaining.most_passes) and its pages hold, and takes more
+        pages (evicting idle cached ones, as a plain decode would) only while the watermark's stay free; it never
+        preempts, and keeps at least the one pass it had.
+
+        Args:
+          batch: the step schedule() just planned, every sequence a decode.
+          max_steps: the chain's length, num_scheduler_steps.
+        """
+        sequences, num_tokens = [], 0
+        for sequence in batch.sequences:
+            request = sequence.request
+            count = most_passes(request, max_steps, self.max_model_len) - 1
+            while count and (
+                self.pages.num_new_pages(request, 1 + count)
+                and not self._ensure_pages(request, 1 + count, self.watermark_pages)
+            ):
+                count -= 1
+            if count:
+                sequence = self.pages.grow(request, 1 + count, [PLACEHOLDER_TOKEN] * count)
+            sequences.append(sequence)
+            num_tokens += sequence.num_new_tokens
+        if num_tokens == len(sequences):
+            return batch  # no sequence could take a second pass: a plain step
+        return dataclasses.replace(batch, sequences=sequences, num_batched_tokens=num_tokens, decode_steps=max_steps)
 
     def _add_drafts(self, sequences: list[ScheduledSequence], token_budget: int) -> int:
         """Give the decoding sequences the drafts the drafter approves, within the token budget and the free pages

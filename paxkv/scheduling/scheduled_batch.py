@@ -18,7 +18,8 @@ class ScheduledSequence:
     kv_len: int  # tokens in the pages after this step: num_computed_tokens + num_new_tokens
     # Whether this chunk reaches the last known token, so the step samples one token after it (decodes always do).
     completes_prompt: bool
-    # Speculative drafts at the end of token_ids (after the request's last token), verified by this step.
+    # Tokens at the end of token_ids past the request's last token: speculative drafts this step verifies, or, in a
+    # chained step (ReplicaBatch.decode_steps > 1), placeholders for the step's own samples (decode_chaining).
     num_draft_tokens: int = 0
 
     @property
@@ -74,6 +75,9 @@ class ReplicaBatch:
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     # Samples forked at admission while building this batch (n > 1); they run from the next step on.
     forked: list[Request] = dataclasses.field(default_factory=list)
+    # Chained decode passes (paxkv.scheduling.decode_chaining): above 1, every sequence decodes, 1 + its
+    # num_draft_tokens passes, its drafts the placeholders of its own samples.
+    decode_steps: int = 1
 
     @property
     def num_seqs(self) -> int:
@@ -113,6 +117,11 @@ class ScheduledBatch:
     def is_empty(self) -> bool:
         """Whether no replica scheduled anything."""
         return all(batch.is_empty for batch in self.replica_batches)
+
+    @property
+    def decode_steps(self) -> int:
+        """The chained decode passes the step runs (1: a plain step; decode_chaining)."""
+        return max(batch.decode_steps for batch in self.replica_batches)
 
     @property
     def preempted_request_ids(self) -> list[str]:

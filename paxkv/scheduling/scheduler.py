@@ -15,6 +15,7 @@ running this same code on the same requests, makes the same plan.
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from paxkv.scheduling.decode_chaining import can_chain
 from paxkv.scheduling.page_allocator import PageAllocator
 from paxkv.scheduling.preemption import PreemptionPolicy
 from paxkv.scheduling.prefix_trie import PrefixTrie
@@ -28,7 +29,7 @@ class SchedulerInterface(Protocol):
     """What the engine asks of a scheduler: requests in, one batch per step, the step's tokens back."""
 
     def add_request(self, request: Request) -> None: ...
-    def schedule(self) -> ScheduledBatch: ...
+    def schedule(self, max_decode_steps: int = 1) -> ScheduledBatch: ...
     def update(self, batch: ScheduledBatch, sampled_tokens: Mapping[str, int | Sequence[int]]) -> StepOutcome: ...
     def abort(self, request_id: str) -> Request | None: ...
     def finish(self, request: Request, finish_reason: str) -> None: ...
@@ -216,9 +217,21 @@ class Scheduler:
             for r in (*scheduler.running, *scheduler.waiting)
         )
 
-    def schedule(self) -> ScheduledBatch:
-        """Every replica plans its share of the step (samples forked at admission come back in batch.forked)."""
-        batch = ScheduledBatch([replica.schedule() for replica in self.replicas], self.pages_per_replica)
+    def schedule(self, max_decode_steps: int = 1) -> ScheduledBatch:
+        """Every replica plans its share of the step (samples forked at admission come back in batch.forked).
+
+        Args:
+          max_decode_steps: where every replica's step only decodes (decode_chaining.can_chain), run up to this many
+            chained decode passes in it (1: one token per sequence, always).
+        """
+        batches = [replica.schedule() for replica in self.replicas]
+        if (
+            max_decode_steps > 1
+            and any(batch.sequences for batch in batches)
+            and all(can_chain(b, r.num_waiting) for b, r in zip(batches, self.replicas, strict=True))
+        ):
+            batches = [r.chain_decodes(b, max_decode_steps) for b, r in zip(batches, self.replicas, strict=True)]
+        batch = ScheduledBatch(batches, self.pages_per_replica)
         self._track(batch.forked)
         return batch
 

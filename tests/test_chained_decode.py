@@ -1,0 +1,148 @@
+"""Chained decode passes on a real model (paxkv.execution.chained_decode): the tokens of one step per token, greedy
+equal to transformers', and chains only where no caller reads outputs step by step."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import models
+import paxkv.execution.model_runner
+from paxkv.config import EngineConfig
+from paxkv.core.engine import Engine
+from paxkv.execution.chained_decode import ChainedRows, chained_decode_step
+from paxkv.parallel.mesh import load_on_mesh
+from paxkv.scheduling.sampling_params import SamplingParams
+
+EOS = 2  # "</s>" in word_level_llama's vocabulary
+
+
+@pytest.fixture(scope="module")
+def word_model(word_level_llama):
+    return models.load(word_level_llama)
+
+
+def _requests():
+    """(id, prompt token ids, params): greedy and seeded draws, stop tokens and strings, n = 2, uneven lengths."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (5, 40, 17, 1, 66, 9, 23)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=30),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=21, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=20, seed=1, max_tokens=25, stop=["w7", "w100 w"]),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=18, n=2, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=9, max_tokens=40, stop_token_ids=[17, 44, 90]),
+        SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+    ]
+    return [(f"r{i}", prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))]
+
+
+def _generate(loaded, requests, num_scheduler_steps, *, final_only=True, **config):
+    """Every request's outputs (token ids, finish reason, text per sample) and the chain length of every step."""
+    engine = Engine(
+        loaded, EngineConfig(num_scheduler_steps=num_scheduler_steps, max_num_seqs=8, num_pages=256, **config)
+    )
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def recorded(max_decode_steps=1):
+        batch = schedule(max_decode_steps)
+        steps.append(batch.decode_steps)
+        return batch
+
+    engine.scheduler.schedule = recorded
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params, final_only=final_only)
+    results = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                results[output.request_id] = [(o.token_ids, o.finish_reason, o.text) for o in output.outputs]
+        engine.scheduler.check_page_invariants()
+    return results, steps
+
+
+def test_chained_passes_give_the_tokens_of_single_steps(word_model):
+    requests = _requests()
+    single, single_steps = _generate(word_model, requests, 1)
+    chained, chained_steps = _generate(word_model, requests, 4)
+    assert chained == single
+    assert set(single_steps) == {1} and max(chained_steps) == 4
+    assert len(chained_steps) < len(single_steps)
+    assert any(reason == "stop" for outputs in single.values() for _, reason, _ in outputs)
+
+
+def test_chained_greedy_equals_transformers(word_model, word_level_llama):
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (3, 31, 12)]
+    params = SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True)
+    chained, steps = _generate(word_model, [(str(i), p, params) for i, p in enumerate(prompts)], 8)
+    assert max(steps) == 8
+    torch_model = transformers.LlamaForCausalLM.from_pretrained(word_level_llama).eval()
+    for index, prompt in enumerate(prompts):
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            out = torch_model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=11, do_sample=False, eos_token_id=None
+            )
+        assert chained[str(index)][0][0] == out[0, len(prompt) :].tolist()
+
+
+def test_streaming_requests_never_chain(word_model):
+    requests = _requests()[:3]
+    streamed, steps = _generate(word_model, requests, 4, final_only=False)
+    assert set(steps) == {1}
+    assert streamed == _generate(word_model, requests, 4)[0]
+
+
+def test_data_replicas_chain_alike(word_level_llama):
+    loaded = load_on_mesh(word_level_llama, "data=2")
+    requests = _requests()
+    single, _ = _generate(loaded, requests, 1, mesh_shape="data=2")
+    chained, steps = _generate(loaded, requests, 4, mesh_shape="data=2")
+    assert chained == single and max(steps) == 4
+
+
+def test_bf16_weights_chain_without_converting_the_embedding_each_run(word_level_llama, monkeypatch):
+    loaded = models.load(word_level_llama, dtype="bfloat16")
+    captured = []
+
+    def capture(*args):
+        captured.append(args)
+        return chained_decode_step(*args)
+
+    monkeypatch.setattr(paxkv.execution.model_runner, "chained_decode_step", capture)
+    requests = _requests()[:3]
+    chained, _ = _generate(loaded, requests, 4)
+    monkeypatch.undo()
+    assert chained == _generate(loaded, requests, 1)[0]
+    # XLA:CPU gathers bf16 rows through f32; hoisted out of the loop, that conversion would run over the whole
+    # table every chained step (chained_decode_step turns loop-invariant code motion off).
+    embed = loaded.model.embed[...]
+    embedding = getattr(embed, "panels", embed)  # a tied embedding's panels, else the table
+    text = chained_decode_step.lower(*captured[0]).compile().as_text()
+    entry = text[text.index("\nENTRY") :]
+    assert "f32[" + ",".join(map(str, embedding.shape)) + "]" not in entry
+
+
+def test_a_chain_ends_when_every_row_has_stopped(word_model, monkeypatch):
+    prompt = list(range(10, 30))
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ((tokens, _, _),) = _generate(word_model, [("a", prompt, greedy)], 1)[0]["a"]
+    stop = next(t for i, t in enumerate(tokens) if i >= 3 and t not in tokens[:i])  # a token first seen at i >= 3
+    runs = []
+
+    def recorded(*args):
+        rows = ChainedRows(*args)
+        runs.append((rows.num_passes_run, list(rows.tokens)))
+        return rows
+
+    monkeypatch.setattr(paxkv.execution.model_runner, "ChainedRows", recorded)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop])
+    ((stopped, reason, _),) = _generate(word_model, [("a", prompt, params)], 8)[0]["a"]
+    assert (stopped, reason) == (tokens[: tokens.index(stop) + 1], "stop")
+    # The prefill step samples the first token; one chain of 8 passes follows and ends at the stop token.
+    ((num_run, samples),) = runs
+    assert num_run == tokens.index(stop) < 8
+    assert samples[:num_run] == tokens[1 : num_run + 1] and samples[num_run:] == [0] * (8 - num_run)
