@@ -63,10 +63,11 @@ def _generate(loaded, requests, num_scheduler_steps, *, final_only=True, **confi
     return results, steps
 
 
-def test_chained_passes_give_the_tokens_of_single_steps(word_model):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "int8"])
+def test_chained_passes_give_the_tokens_of_single_steps(word_model, kv_cache_dtype):
     requests = _requests()
-    single, single_steps = _generate(word_model, requests, 1)
-    chained, chained_steps = _generate(word_model, requests, 4)
+    single, single_steps = _generate(word_model, requests, 1, kv_cache_dtype=kv_cache_dtype)
+    chained, chained_steps = _generate(word_model, requests, 4, kv_cache_dtype=kv_cache_dtype)
     assert chained == single
     assert set(single_steps) == {1} and max(chained_steps) == 4
     assert len(chained_steps) < len(single_steps)

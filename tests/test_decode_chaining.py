@@ -16,8 +16,6 @@ from test_replica_scheduler import (
 )
 
 from paxkv.scheduling.decode_chaining import PLACEHOLDER_TOKEN, can_chain, most_passes
-from paxkv.scheduling.page_allocator import PageAllocator
-from paxkv.scheduling.prefix_trie import PrefixTrie
 from paxkv.scheduling.replica_scheduler import ReplicaScheduler
 from paxkv.scheduling.request import Request
 from paxkv.scheduling.sampling_params import SamplingParams
@@ -186,16 +184,8 @@ def test_nothing_chains_while_a_request_waits():
 
 
 def test_a_chain_evicts_idle_cached_pages_as_a_decode_would():
-    allocator = PageAllocator(9)  # 8 usable pages
-    scheduler = ReplicaScheduler(
-        allocator,
-        page_size=4,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        max_model_len=64,
-        eos_token_ids=(0,),
-        prefix_trie=PrefixTrie(allocator, 4),
-    )
+    scheduler = make_scheduler(num_pages=9, page_size=4, max_model_len=64, prefix_caching=True)  # 8 usable pages
+    allocator = scheduler.allocator
     model = FakeModel()
     scheduler.add_request(make_request("old", 16, max_tokens=1, ignore_eos=True))
     chained_step(scheduler, model, 16)  # its 4 full prompt pages stay cached, idle

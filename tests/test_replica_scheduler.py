@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from paxkv.execution.step_inputs import power_of_two_buckets
 from paxkv.scheduling import step_fitting
 from paxkv.scheduling.page_allocator import PageAllocator
+from paxkv.scheduling.prefix_trie import PrefixTrie
 from paxkv.scheduling.replica_scheduler import ReplicaScheduler
 from paxkv.scheduling.request import Request, RequestStatus
 from paxkv.scheduling.sampling_params import SamplingParams
@@ -27,16 +28,24 @@ def fake_token(request_id: str, position: int) -> int:
 
 
 def make_scheduler(
-    num_pages=64, page_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256, step_sizes=()
+    num_pages=64,
+    page_size=4,
+    max_num_seqs=8,
+    max_num_batched_tokens=32,
+    max_model_len=256,
+    step_sizes=(),
+    prefix_caching=False,
 ):
-    """A scheduler over a fresh pool, with EOS as its end-of-sequence token."""
+    """A scheduler over a fresh pool, with EOS as its end-of-sequence token (and a prefix cache if asked)."""
+    allocator = PageAllocator(num_pages)
     return ReplicaScheduler(
-        PageAllocator(num_pages),
+        allocator,
         page_size=page_size,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         eos_token_ids=(EOS,),
+        prefix_trie=PrefixTrie(allocator, page_size) if prefix_caching else None,
         step_sizes=step_sizes,
     )
 
