@@ -127,11 +127,15 @@ def test_bf16_weights_chain_without_converting_the_embedding_each_run(word_level
     assert "f32[" + ",".join(map(str, embedding.shape)) + "]" not in entry
 
 
-def test_a_chain_ends_when_every_row_has_stopped(word_model, monkeypatch):
-    prompt = list(range(10, 30))
+def _greedy_with_a_stop(loaded, prompt):
+    """A prompt's first 12 greedy tokens, and a token of them first sampled at index 3 or later, to stop at."""
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    ((tokens, _, _),) = _generate(word_model, [("a", prompt, greedy)], 1)[0]["a"]
-    stop = next(t for i, t in enumerate(tokens) if i >= 3 and t not in tokens[:i])  # a token first seen at i >= 3
+    ((tokens, _, _),) = _generate(loaded, [("a", prompt, greedy)], 1)[0]["a"]
+    return tokens, next(t for i, t in enumerate(tokens) if i >= 3 and t not in tokens[:i])
+
+
+def _record_chains(monkeypatch) -> list:
+    """(passes run, samples) of every chained step the engine runs from now on."""
     runs = []
 
     def recorded(*args):
@@ -140,6 +144,13 @@ def test_a_chain_ends_when_every_row_has_stopped(word_model, monkeypatch):
         return rows
 
     monkeypatch.setattr(paxkv.execution.model_runner, "ChainedRows", recorded)
+    return runs
+
+
+def test_a_chain_ends_when_every_row_has_stopped(word_model, monkeypatch):
+    prompt = list(range(10, 30))
+    tokens, stop = _greedy_with_a_stop(word_model, prompt)
+    runs = _record_chains(monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop])
     ((stopped, reason, _),) = _generate(word_model, [("a", prompt, params)], 8)[0]["a"]
     assert (stopped, reason) == (tokens[: tokens.index(stop) + 1], "stop")
@@ -147,3 +158,17 @@ def test_a_chain_ends_when_every_row_has_stopped(word_model, monkeypatch):
     ((num_run, samples),) = runs
     assert num_run == tokens.index(stop) < 8
     assert samples[:num_run] == tokens[1 : num_run + 1] and samples[num_run:] == [0] * (8 - num_run)
+
+
+def test_a_row_that_stopped_keeps_no_samples_while_the_others_run(word_model, monkeypatch):
+    prompt, other = list(range(10, 30)), list(range(40, 60))
+    tokens, stop = _greedy_with_a_stop(word_model, prompt)
+    runs = _record_chains(monkeypatch)
+    stopping = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop])
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    results, _ = _generate(word_model, [("a", prompt, stopping), ("b", other, greedy)], 8)
+    assert results["a"][0][0] == tokens[: tokens.index(stop) + 1]
+    (num_run, samples), *_ = runs
+    assert num_run == 8  # "b" runs all its passes
+    stopped_at = tokens.index(stop)  # a's pass that sampled the stop token, counted from 1
+    assert samples[:stopped_at] == tokens[1 : stopped_at + 1] and samples[stopped_at:8] == [0] * (8 - stopped_at)

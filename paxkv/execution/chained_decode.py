@@ -131,7 +131,8 @@ def chained_decode_step(
             sampling = dataclasses.replace(local.sampling, positions=local.sampling.positions + j)
             step_batch = dataclasses.replace(sampling_batch, sampling=sampling)
             sampled = sample_rows(replicated(logits), step_batch, False, greedy_only, native).tokens  # i32[S]
-            samples = jax.lax.dynamic_update_slice_in_dim(samples, sampled[:, None], j, axis=1)
+            written = jnp.where(live, sampled, 0)  # a row done keeps 0 (its input was a dummy)
+            samples = jax.lax.dynamic_update_slice_in_dim(samples, written[:, None], j, axis=1)
             # A row that sampled a stop token, or none (non-finite logits: it finished with an error), is done.
             stops = jnp.any(sampled[:, None] == chain.stop_ids, axis=1) | (sampled == NONFINITE_TOKEN)
             return j + 1, jnp.maximum(sampled, 0), ended | (live & stops), samples, kv_caches
