@@ -74,6 +74,20 @@ def test_chained_passes_give_the_tokens_of_single_steps(word_model, kv_cache_dty
     assert any(reason == "stop" for outputs in single.values() for _, reason, _ in outputs)
 
 
+def test_a_stop_string_inside_a_chain_cuts_as_single_steps_do(word_model):
+    prompt = list(range(60, 75))
+    free = dict(temperature=1.0, seed=4, max_tokens=20, ignore_eos=True)
+    ((tokens, _, text),) = _generate(word_model, [("a", prompt, SamplingParams(**free))], 1)[0]["a"]
+    words = text.split()
+    stop = " ".join(words[1:3])  # completed by the third token: the second pass of the first chain
+    requests = [("a", prompt, SamplingParams(**free, stop=[stop]))]
+    single, _ = _generate(word_model, requests, 1)
+    chained, steps = _generate(word_model, requests, 4)
+    assert chained == single and steps[1] == 4
+    ((cut_tokens, reason, cut_text),) = chained["a"]
+    assert (cut_tokens, reason, cut_text.strip()) == (tokens[:3], "stop", words[0])
+
+
 def test_chained_greedy_equals_transformers(word_model, word_level_llama):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 256, n).tolist() for n in (3, 31, 12)]
