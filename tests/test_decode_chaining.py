@@ -3,6 +3,7 @@ chained sequence's passes one by one: the outputs of isolated runs, consistent p
 
 import dataclasses
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -15,6 +16,7 @@ from test_replica_scheduler import (
     make_scheduler,
 )
 
+from paxkv.config import EngineConfig
 from paxkv.scheduling.decode_chaining import PLACEHOLDER_TOKEN, can_chain, most_passes
 from paxkv.scheduling.replica_scheduler import ReplicaScheduler
 from paxkv.scheduling.request import Request
@@ -197,3 +199,12 @@ def test_a_chain_evicts_idle_cached_pages_as_a_decode_would():
     assert [s.num_new_tokens for s in batch.sequences] == [16]
     assert scheduler.prefix_trie.num_evictions == 2
     assert new.output_token_ids == expected_output("new", 6, new.sampling_params)[0][:17]
+
+
+def test_num_scheduler_steps_must_be_a_positive_integer():
+    with pytest.raises(ValueError, match="num_scheduler_steps must be a positive integer, got 0"):
+        EngineConfig(num_scheduler_steps=0)
+    with pytest.raises(ValueError, match="num_scheduler_steps must be a positive integer, got 2.5"):
+        EngineConfig(num_scheduler_steps=2.5)
+    steps = EngineConfig(num_scheduler_steps=np.int64(4)).num_scheduler_steps
+    assert steps == 4 and type(steps) is int
