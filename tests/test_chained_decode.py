@@ -186,3 +186,49 @@ def test_a_row_that_stopped_keeps_no_samples_while_the_others_run(word_model, mo
     assert num_run == 8  # "b" runs all its passes
     stopped_at = tokens.index(stop)  # a's pass that sampled the stop token, counted from 1
     assert samples[:stopped_at] == tokens[1 : stopped_at + 1] and samples[stopped_at:8] == [0] * (8 - stopped_at)
+
+
+def _run_in_turn(engine, requests):
+    """Runs each (id, prompt, params) to its end before adding the next; returns each one's first output."""
+    results = {}
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params, final_only=True)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    results[request_id] = output.outputs[0]
+    return results
+
+
+def test_a_chain_that_stops_early_caches_only_computed_pages(word_model):
+    """A row that stops mid-chain skips its later passes: the stop token's KV is never written, so the page it ends
+    must not go into the prefix cache. A follow-up prompt that extends the finished request (a chat's next turn) then
+    gets the logprobs it gets after single steps."""
+    page_size = 8
+    for length in range(20, 40):  # a prompt whose greedy run stops on a page's last slot, in a chain's middle
+        prompt = list(range(10, 10 + length))
+        greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        ((tokens, _, _),) = _generate(word_model, [("a", prompt, greedy)], 1, page_size=page_size)[0]["a"]
+        # Token i is sampled by the prefill (i = 0) or by pass i - 1 of the first chain of 8.
+        stops = [i for i in range(2, 7) if tokens[i] not in tokens[:i] and (length + i + 1) % page_size == 0]
+        if stops:
+            break
+    assert stops, "no prompt of 20-39 tokens stops on a page's last slot inside a chain"
+    stop_index = stops[0]
+    stopping = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[tokens[stop_index]])
+    follow_up = prompt + tokens[: stop_index + 1] + [5, 6, 7]
+    scoring = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
+    requests = [("first", prompt, stopping), ("next", follow_up, scoring)]
+    results, cached, computed = {}, {}, {}
+    for steps in (1, 8):
+        engine = Engine(word_model, EngineConfig(num_scheduler_steps=steps, num_pages=64, page_size=page_size))
+        first = _run_in_turn(engine, requests[:1])["first"]
+        assert first.token_ids == tokens[: stop_index + 1] and first.finish_reason == "stop"
+        (replica,) = engine.scheduler.replicas
+        cached[steps] = len(replica.prefix_trie.match(follow_up, touch=False))
+        computed[steps] = engine.metrics.num_computed_tokens
+        results[steps] = _run_in_turn(engine, requests[1:])["next"]
+    assert cached[8] == cached[1] == (length + stop_index) // page_size
+    assert computed[8] == computed[1] == length + stop_index  # the stop token's KV is never computed
+    assert results[8].token_ids == results[1].token_ids
+    assert results[8].logprobs == results[1].logprobs

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_replica_scheduler import (
+    EOS,
     FakeModel,
     check_state,
     expected_output,
@@ -24,16 +25,26 @@ from paxkv.scheduling.sampling_params import SamplingParams
 from paxkv.scheduling.scheduled_batch import ReplicaBatch
 
 
+def stops_the_row(params: SamplingParams, token_id: int) -> bool:
+    """Whether the device stops a chained row after it samples token_id (its stop tokens; min_tokens never chains)."""
+    return (token_id == EOS and not params.ignore_eos) or token_id in params.stop_token_ids
+
+
 def run_chained(model: FakeModel, batch: ReplicaBatch, page_size: int) -> tuple[ReplicaBatch, dict[str, list[int]]]:
     """Runs a chained batch as the device does, pass by pass: pass j writes the KV of the row's token j (its last
-    known token, then its own samples) and samples the next. Returns the batch with its placeholders filled in, as
-    the model runner returns it, and each sequence's samples."""
+    known token, then its own samples) and samples the next, until a sample stops the row: its later passes write
+    nothing and sample 0. Returns the batch with its placeholders filled in, as the model runner returns it, and
+    each sequence's samples."""
     filled, samples = [], {}
     for sequence in batch.sequences:
         request = sequence.request
         known = request.all_token_ids
-        own = []
+        own, stopped = [], False
         for j, (slot, position) in enumerate(zip(sequence.slots, sequence.positions, strict=True)):
+            stopped = stopped or bool(own) and stops_the_row(request.sampling_params, own[-1])
+            if stopped:
+                own.append(0)
+                continue
             token = sequence.token_ids[0] if j == 0 else own[-1]
             model.kv[slot] = (request.request_id, position, token)
             for read in range(position + 1):  # the pages it reads hold its tokens so far
@@ -136,6 +147,29 @@ def test_a_stop_token_inside_a_chain_drops_the_later_samples_and_frees_the_pages
     assert batch.decode_steps == 4
     assert request.output_token_ids == samples[:4] and request.finish_reason == "stop"
     assert scheduler.allocator.num_free_pages == scheduler.allocator.num_total_pages
+
+
+def test_a_row_that_stops_inside_a_chain_caches_only_the_kv_its_passes_wrote():
+    # A prompt of 4 and a stop at the fourth sample, drawn by the third of 4 passes: the stop token lies on the last
+    # slot of page 1, which only the skipped fourth pass would have written. Page 0 alone holds computed KV.
+    num_prompt = 4
+
+    def fourth_sample_is_new(request_id):
+        samples = [fake_token(request_id, num_prompt + i) for i in range(4)]
+        return samples[3] not in samples[:3]
+
+    request_id = next(f"s{i}" for i in range(100) if fourth_sample_is_new(f"s{i}"))
+    stop = fake_token(request_id, num_prompt + 3)
+    scheduler = make_scheduler(num_pages=32, page_size=4, prefix_caching=True)
+    request = make_request(request_id, num_prompt, max_tokens=20, ignore_eos=True, stop_token_ids=[stop])
+    scheduler.add_request(request)
+    model = FakeModel()
+    chained_step(scheduler, model, 4)
+    batch = chained_step(scheduler, model, 4)
+    assert batch.decode_steps == 4 and request.finish_reason == "stop" and request.num_tokens == 8
+    assert scheduler.prefix_trie.num_cached_pages == 1
+    (page,) = scheduler.prefix_trie.match(request.all_token_ids + [1], touch=False)
+    assert [model.kv[page * 4 + i] for i in range(4)] == [(request_id, i, i + 1) for i in range(4)]
 
 
 # Watermark 3: the one free page is below it, yet each chain still runs to the end of the page it holds.

@@ -258,6 +258,10 @@ class ReplicaScheduler:
                 num_taken[request.request_id], finish_reason = append_tokens(
                     request, tokens, self.eos_token_ids, self.max_model_len
                 )
+                if sequence.num_draft_tokens and not speculated:
+                    # A chained row stops on the device at the token that stops it here: its later passes wrote no
+                    # KV, so they are not computed tokens (nor, once full, cacheable pages).
+                    request.num_computed_tokens -= len(tokens) - num_taken[request.request_id]
             self.prefix_sharing.cache_full_pages(request)
             if self.forks.ready(request):
                 request.fork_pending = False
