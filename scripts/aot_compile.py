@@ -7,7 +7,8 @@
 
 --model compiles the engine step (its forward, with the KV write, and its sampling: what Engine runs) with libtpu's
 compiler for every (T, S) bucket the budgets allow (--buckets largest for the largest one alone), from
-shapes alone, and prints a table per program: compile status and seconds, argument, output and temp bytes
+shapes alone, and the chained decode program (--num_scheduler_steps passes in one loop, as Engine chains them) for
+each of those S buckets. It prints a table per program: compile status and seconds, argument, output and temp bytes
 per chip against the chip's HBM, and XLA's flop and byte counts. A program that does not fit says so.
 --model takes smollm2 (the embedded model's config), llama3-8b, a config.json, an HF folder or a .gguf.
 
@@ -31,6 +32,7 @@ import sys
 import threading
 import time
 import traceback
+from functools import partial
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the target; run nothing here
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -222,11 +224,18 @@ def run_step_programs(args, tpu: deviceless.Target) -> tuple[list[dict], dict]:
     padding = aot.StepPadding.for_platform(tpu.platform, args.min_padded_seqs, args.min_padded_tokens)
     buckets = aot.step_buckets(args.max_num_batched_tokens, args.max_num_seqs, padding)
     buckets = buckets[-1:] if args.buckets == "largest" else buckets
+    compile_plain = partial(aot.compile_step, engine, with_logprobs=args.logprobs)
+    programs = [(dict(num_tokens=t, num_seqs=s, num_passes=1), partial(compile_plain, t, s)) for t, s in buckets]
+    # The chained decode program (EngineConfig.num_scheduler_steps) for each row bucket the steps take.
+    if (k := args.num_scheduler_steps) > 1:
+        programs += [
+            (dict(num_tokens=s, num_seqs=s, num_passes=k), partial(aot.compile_chained_step, engine, s, k))
+            for s in sorted({s for _, s in buckets})
+        ]
     rows = []
-    for num_tokens, num_seqs in buckets:
-        row = dict(num_tokens=num_tokens, num_seqs=num_seqs)
+    for row, compile_program in programs:
         try:
-            program = aot.compile_step(engine, num_tokens, num_seqs, with_logprobs=args.logprobs)
+            program = compile_program()
         except Exception as e:
             message = " ".join(str(e).split())[:400]
             # libtpu itself refuses a program whose buffers exceed the chip's HBM.
@@ -269,10 +278,11 @@ def _gib(n: float) -> str:
 
 
 def _step_line(row: dict, tpu: deviceless.Target) -> str:
+    tokens = row["num_tokens"] if row["num_passes"] == 1 else f"{row['num_tokens']} x {row['num_passes']} passes"
     if "message" in row:
-        return f"| {row['num_tokens']} | {row['num_seqs']} | {row['status']}: {row['message'][:160]} | | | | | | | |"
+        return f"| {tokens} | {row['num_seqs']} | {row['status']}: {row['message'][:160]} | | | | | | | |"
     return (
-        f"| {row['num_tokens']} | {row['num_seqs']} | {row['status']} | {row['seconds']} | "
+        f"| {tokens} | {row['num_seqs']} | {row['status']} | {row['seconds']} | "
         f"{_gib(row['argument_bytes'])} | {_gib(row['output_bytes'] - row['alias_bytes'])} | "
         f"{row['temp_bytes'] / 2**20:.1f} | {_gib(row['total_bytes'])} / {_gib(tpu.memory_bytes)} | "
         f"{row['flops'] / 1e9:.1f} | {row['bytes_accessed'] / 2**30:.2f} |"
@@ -333,6 +343,9 @@ def main() -> int:
     parser.add_argument("--max_model_len", type=int, default=4096)
     parser.add_argument("--buckets", choices=("all", "largest"), default="all")
     parser.add_argument("--logprobs", action="store_true", help="compile the logprobs variant of each step")
+    parser.add_argument(
+        "--num_scheduler_steps", type=int, default=8, help="chained decode passes (1: no chained program)"
+    )
     parser.add_argument("--num_layers", type=int, help="keep this many of the model's layers (quicker checks)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

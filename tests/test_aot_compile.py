@@ -1,5 +1,5 @@
-"""Deviceless compiles: the kernels by libtpu's Mosaic (v5e, v6e) and by triton for sm_90, the engine step by
-libtpu, and the start-up check that the largest step fits in device memory.
+"""Deviceless compiles: the kernels by libtpu's Mosaic (v5e, v6e) and by triton for sm_90, the engine step and its
+chained decode program by libtpu, and the start-up check that the largest step fits in device memory.
 
 These run the real compilers (the `test` extra pins libtpu and triton); a missing compiler fails, it does not
 skip. TPU cases compile in a worker process (scripts/aot_compile.py), 8 to a program: some bad layouts abort
@@ -16,9 +16,10 @@ import pytest
 
 import models
 import pallas_kernels
+import paxkv.execution.model_runner
 from paxkv.config import EngineConfig
 from paxkv.core.engine import Engine
-from paxkv.execution.aot import AbstractEngine, compile_step
+from paxkv.execution.aot import AbstractEngine, check_step_fits, compile_step
 from paxkv.parallel.mesh import make_mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,13 +112,17 @@ def test_engine_step_compiles_for_tpu_and_reports_memory(tmp_path):
         "--buckets=largest",
         "--kv_cache_memory=2GiB",
     )
-    (step,) = result["steps"]
-    assert step["status"] == "ok" and (step["num_tokens"], step["num_seqs"]) == (512, 32)
-    # The arguments are the bf16 weights (~0.06 GB: 2 layers and the embedding) plus the 2 GiB pool, aliased
-    # by the pool it returns.
-    assert 2 * 2**30 < step["argument_bytes"] < 2.25 * 2**30
-    assert step["alias_bytes"] >= 2 * 2**30 - 2**20
-    assert step["total_bytes"] <= result["setup"]["hbm_bytes"] and step["flops"] > 0
+    step, chained = result["steps"]
+    assert step["status"] == "ok" and (step["num_tokens"], step["num_seqs"], step["num_passes"]) == (512, 32, 1)
+    # The chained decode program too: 8 passes (EngineConfig's default) of a 32-row decode in one loop.
+    assert chained["status"] == "ok"
+    assert (chained["num_tokens"], chained["num_seqs"], chained["num_passes"]) == (32, 32, 8)
+    for program in (step, chained):
+        # The arguments are the bf16 weights (~0.06 GB: 2 layers and the embedding) plus the 2 GiB pool, aliased
+        # by the pool it returns.
+        assert 2 * 2**30 < program["argument_bytes"] < 2.25 * 2**30
+        assert program["alias_bytes"] >= 2 * 2**30 - 2**20
+        assert program["total_bytes"] <= result["setup"]["hbm_bytes"] and program["flops"] > 0
 
 
 @pytest.mark.parametrize("target,mesh", [("tpu-v5e", "data=1,model=4"), ("tpu-v6e", "data=1,model=8")])
@@ -141,11 +146,13 @@ def test_sharded_engine_step_compiles_for_tpu(tmp_path, target, mesh):
         "--buckets=largest",
         "--kv_cache_memory=16GiB",
     )
-    (step,) = result["steps"]
+    step, chained = result["steps"]  # the step, and the chained decode program over its 8 rows
     assert step["status"] == "ok" and (step["num_tokens"], step["num_seqs"]) == (64, 8), step
+    assert chained["status"] == "ok" and (chained["num_seqs"], chained["num_passes"]) == (8, 8), chained
     chips = result["setup"]["chips"]
     pool_per_chip = 16 * 2**30 / chips
-    assert pool_per_chip < step["argument_bytes"] < pool_per_chip + 2**30  # the pool's shard plus the weights'
+    for program in (step, chained):
+        assert pool_per_chip < program["argument_bytes"] < pool_per_chip + 2**30  # the pool's shard, the weights'
 
 
 def test_a_step_too_big_for_the_device_is_refused_at_start(tiny_llama_checkpoint, monkeypatch):
@@ -175,3 +182,34 @@ def test_the_start_check_compiles_the_engines_own_step_program(tiny_llama_checkp
     pool_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(engine.kv_caches)) // mesh.size
     assert program.memory.alias_bytes >= pool_bytes > 0
     assert program.memory.argument_bytes > pool_bytes and program.flops > 0
+
+
+@pytest.mark.parametrize("num_scheduler_steps", [8, 1])
+def test_the_start_check_compiles_the_largest_chained_decode_step(
+    tiny_llama_checkpoint, monkeypatch, num_scheduler_steps
+):
+    """Where decodes chain, Engine also compiles its largest chained decode step at start (S rows, K passes) and
+    checks it against the device's memory: a chain too large for it is refused with the chain among the fixes."""
+    loaded = models.load(tiny_llama_checkpoint(), require_tokenizer=False)
+    config = EngineConfig(
+        num_pages=16, page_size=8, max_num_seqs=4, max_num_batched_tokens=64, num_scheduler_steps=num_scheduler_steps
+    )
+    real, compiled = paxkv.execution.model_runner.compile_chained_step, []
+
+    def recording(*args):
+        compiled.append(real(*args))
+        return compiled[-1]
+
+    monkeypatch.setattr(paxkv.execution.model_runner, "compile_chained_step", recording)
+    monkeypatch.setattr("paxkv.execution.model_runner.device_memory", lambda mesh: (2**30, 0))
+    Engine(loaded, config)  # room to spare: it starts
+    if num_scheduler_steps == 1:
+        assert not compiled  # nothing chains, so no chained program is checked
+        return
+    (program,) = compiled
+    assert (program.num_seqs, program.num_passes) == (4, 8) and program.memory.beyond_arguments_bytes > 0
+    needed = program.memory.beyond_arguments_bytes
+    message = r"largest chained decode step \(S=4 rows, 8 passes; .*lower kv_cache_memory_bytes.*num_scheduler_steps=1"
+    with pytest.raises(ValueError, match=message):
+        check_step_fits(program, 2**30, 2**30 - needed + 1, what="max_num_seqs=4, num_scheduler_steps=8")
+    check_step_fits(program, 2**30, 2**30 - needed, what="")  # exactly room enough

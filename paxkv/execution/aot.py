@@ -13,6 +13,7 @@ import math
 import time
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -20,6 +21,7 @@ import models
 from models.loaded_model import abstract_model
 from models.sharding import restore_target, state_shardings
 from pallas_kernels import pages_for
+from paxkv.execution.chained_decode import MIN_STOP_IDS, ChainArrays, chained_decode_step
 from paxkv.execution.kv_pool import abstract_pool, kv_bytes_per_page, kv_storage_dtype
 from paxkv.execution.step import StepBatch, compile_forward, compile_sampling, step_model
 from paxkv.execution.step_arguments import empty_step_batch
@@ -111,6 +113,7 @@ class StepProgram:
     memory: StepMemory
     flops: float
     bytes_accessed: float
+    num_passes: int = 1  # K: a chained decode program's passes (T = S tokens each), 1 for a plain step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,10 +205,21 @@ def abstract_step_batch(
         vocab_size=engine.vocab_size,
         vocab_arrays=vocab_arrays,
     )
-    replicas = engine.num_replicas
-    spec = PartitionSpec("data") if replicas > 1 else PartitionSpec()
-    sharding = NamedSharding(engine.mesh, spec) if engine.mesh is not None else None
+    sharding = _batch_sharding(engine)
     return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), batch)
+
+
+def _batch_sharding(engine: AbstractEngine) -> NamedSharding | None:
+    """How a step's [D, ...] arrays lie: split on "data" when D > 1, whole on every device otherwise."""
+    spec = PartitionSpec("data") if engine.num_replicas > 1 else PartitionSpec()
+    return NamedSharding(engine.mesh, spec) if engine.mesh is not None else None
+
+
+def abstract_chain_arrays(engine: AbstractEngine, num_seqs: int, num_passes: int) -> ChainArrays:
+    """A chained decode step's ChainArrays for S rows and K passes as ShapeDtypeStructs, laid out as the batch's."""
+    d, sharding = engine.num_replicas, _batch_sharding(engine)
+    shapes = ((d, num_passes, num_seqs), (d, num_seqs), (d, num_seqs, MIN_STOP_IDS))
+    return ChainArrays(*(jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for shape in shapes))
 
 
 def compile_step(
@@ -238,6 +252,34 @@ def compile_step(
         memory=StepMemory.of_step(StepMemory.of(forward), StepMemory.of(sampling), logits_bytes),
         flops=sum(float(cost.get("flops", 0.0)) for cost in costs),
         bytes_accessed=sum(float(cost.get("bytes accessed", 0.0)) for cost in costs),
+    )
+
+
+def compile_chained_step(engine: AbstractEngine, num_seqs: int, num_passes: int) -> StepProgram:
+    """Compile the chained decode program (execution.chained_decode: K passes of a plain decode step's forward and
+    sampler in one loop) for an S bucket under the engine's mesh; raises what the compiler raises.
+
+    Args:
+      engine: the abstract (or a real engine's) state.
+      num_seqs: the S bucket; each pass is a decode step of S tokens.
+      num_passes: K, EngineConfig.num_scheduler_steps.
+    """
+    batch = abstract_step_batch(engine, num_seqs, num_seqs)
+    chain = abstract_chain_arrays(engine, num_seqs, num_passes)
+    start = time.perf_counter()
+    with jax.set_mesh(engine.mesh) if engine.mesh is not None else contextlib.nullcontext():
+        graph, weights = step_model(engine.graphdef, engine.state)
+        traced = chained_decode_step.trace(graph, weights, engine.kv_caches, batch, chain, False, False)
+        program = traced.lower().compile()
+    cost = _cost(program)
+    return StepProgram(
+        num_tokens=num_seqs,
+        num_seqs=num_seqs,
+        compile_seconds=time.perf_counter() - start,
+        memory=StepMemory.of(program),
+        flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        num_passes=num_passes,
     )
 
 
@@ -300,9 +342,14 @@ def check_step_fits(program: StepProgram, memory_limit_bytes: int, in_use_bytes:
     free = memory_limit_bytes - in_use_bytes
     if needed <= free:
         return
+    if program.num_passes > 1:
+        name = f"the largest chained decode step (S={program.num_seqs} rows, {program.num_passes} passes; {what})"
+        fixes = "max_num_seqs, or chain no decodes (num_scheduler_steps=1)"
+    else:
+        name = f"the largest step (T={program.num_tokens} tokens, S={program.num_seqs} rows; {what})"
+        fixes = "max_num_batched_tokens or max_num_seqs"
     raise ValueError(
-        f"the largest step (T={program.num_tokens} tokens, S={program.num_seqs} rows; {what}) needs "
-        f"{needed / 2**30:.2f} GiB of device memory beyond its arguments, but only {free / 2**30:.2f} GiB of "
-        f"{memory_limit_bytes / 2**30:.2f} GiB is free after the weights and the KV pool; lower "
-        "kv_cache_memory_bytes (--kv_cache_memory), max_num_batched_tokens or max_num_seqs"
+        f"{name} needs {needed / 2**30:.2f} GiB of device memory beyond its arguments, but only "
+        f"{free / 2**30:.2f} GiB of {memory_limit_bytes / 2**30:.2f} GiB is free after the weights and the KV pool; "
+        f"lower kv_cache_memory_bytes (--kv_cache_memory), {fixes}"
     )

@@ -14,7 +14,14 @@ from models.paged_forward import bucket
 from pallas_kernels import pages_for
 from paxkv.config import EngineConfig
 from paxkv.execution.ahead_compiler import AheadCompiler, abstract
-from paxkv.execution.aot import AbstractEngine, check_step_fits, compile_step, device_memory, step_buckets
+from paxkv.execution.aot import (
+    AbstractEngine,
+    check_step_fits,
+    compile_chained_step,
+    compile_step,
+    device_memory,
+    step_buckets,
+)
 from paxkv.execution.chained_decode import ChainArrays, ChainedRows, chained_decode_step, first_pass_batch
 from paxkv.execution.draft_proposer import DraftModelProposer
 from paxkv.execution.kv_pool import KVPool
@@ -377,8 +384,9 @@ class ModelRunner:
             self.pool.kv_caches = copy_pages(self.pool.kv_caches, sources, destinations, native_writes)
 
     def check_largest_step_fits(self) -> None:
-        """Where the device reports a memory limit (TPU, GPU), compile the largest step now and refuse to start when
-        it cannot fit beside the weights and the pool, rather than fail at the first large batch."""
+        """Where the device reports a memory limit (TPU, GPU), compile the largest step (and the largest chained
+        decode step, where decodes chain) now and refuse to start when one cannot fit beside the weights and the pool,
+        rather than fail at the first large batch."""
         memory = device_memory(self.mesh)
         if memory is None:
             return  # CPU: no limit to check against
@@ -396,6 +404,10 @@ class ModelRunner:
         program = compile_step(state, num_tokens, num_seqs, with_logprobs=True, vocab_arrays=True)
         budgets = f"max_num_batched_tokens={config.max_num_batched_tokens}, max_num_seqs={config.max_num_seqs}"
         check_step_fits(program, *memory, what=budgets)
+        if config.num_scheduler_steps > 1 and config.speculative_config is None:  # the engine chains decodes
+            chained = compile_chained_step(state, num_seqs, config.num_scheduler_steps)
+            chain = f"max_num_seqs={config.max_num_seqs}, num_scheduler_steps={config.num_scheduler_steps}"
+            check_step_fits(chained, *memory, what=chain)
         logger.info(
             "the largest step (T=%d, S=%d) needs %.2f GiB beside its arguments; %.2f GiB of %.2f GiB are free",
             num_tokens,
