@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_replica_scheduler import (
     EOS,
+    VOCAB_SIZE,
     FakeModel,
     check_state,
     expected_output,
@@ -50,7 +51,7 @@ def run_chained(model: FakeModel, batch: ReplicaBatch, page_size: int) -> tuple[
             for read in range(position + 1):  # the pages it reads hold its tokens so far
                 page_slot = sequence.block_table[read // page_size] * page_size + read % page_size
                 expected = known[read] if read < len(known) else own[read - len(known)]
-                assert model.kv[page_slot] == (request.request_id, read, expected)
+                model.check_read(page_slot, request.request_id, read, expected)
             own.append(fake_token(request.request_id, position + 1))
         assert sequence.token_ids[1:] == [PLACEHOLDER_TOKEN] * sequence.num_draft_tokens
         filled.append(dataclasses.replace(sequence, token_ids=sequence.token_ids[:1] + own[:-1]))
@@ -109,8 +110,45 @@ def test_chained_steps_give_the_outputs_of_isolated_runs(requests, num_pages, ma
     for _, request, (output, finish_reason) in pending:
         assert (request.output_token_ids, request.finish_reason) == (output, finish_reason)
     assert scheduler.allocator.num_free_pages == scheduler.allocator.num_total_pages
-    if any(max_tokens > 2 for _, max_tokens, *_ in requests) and num_pages >= 60:
-        assert num_chained  # a pool that holds every request lets some decode chain
+    (_, max_tokens, ignore_eos, min_tokens, _), *others = requests
+    if not others and ignore_eos and min_tokens <= 1 and max_tokens >= 3 and num_pages >= 60:
+        # A lone request with two plain tokens left after its first, in a pool that holds it, chains. (With
+        # others, every decode may fall while another waits, or before min_tokens.)
+        assert num_chained
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    turns=st.lists(
+        st.tuples(
+            st.integers(1, 9),  # new prompt tokens
+            st.integers(1, 24),  # max_tokens
+            st.integers(1, VOCAB_SIZE - 1),  # a stop token
+        ),
+        min_size=2,
+        max_size=4,
+    ),
+    max_steps=st.integers(2, 8),
+)
+def test_a_conversation_over_chained_steps_reads_only_kv_that_was_written(turns, max_steps):
+    """Turns of one conversation under a prefix cache, each prompt the last turn's tokens and output and some new
+    tokens: every slot a step reads holds its own token's KV, though a chain that stopped early wrote none for its
+    stop token; and each turn's output is the fake model's."""
+    scheduler = make_scheduler(num_pages=64, page_size=4, max_num_batched_tokens=16, prefix_caching=True)
+    model = FakeModel(shared_prefixes=True)
+    tokens = []
+    for index, (num_new, max_tokens, stop) in enumerate(turns):
+        tokens = tokens + [1 + (index + i) % (VOCAB_SIZE - 1) for i in range(num_new)]
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop_token_ids=[stop])
+        request = Request(f"t{index}", list(tokens), params)
+        scheduler.add_request(request)
+        while scheduler.has_unfinished_requests():
+            chained_step(scheduler, model, max_steps)
+        output, finish_reason = expected_output(request.request_id, len(tokens), params)
+        assert (request.output_token_ids, request.finish_reason) == (output, finish_reason)
+        tokens = request.all_token_ids  # the next turn extends this one, its stop token included
+    if len(tokens) > 5:  # its KV filled a page at least
+        assert scheduler.prefix_trie.num_cached_pages
 
 
 def test_a_chain_stops_at_max_tokens():

@@ -58,8 +58,18 @@ def make_request(request_id, num_prompt_tokens, **sampling):
 class FakeModel:
     """Stands in for the device: writes each token's 'KV' into its slot and checks every read through block tables."""
 
-    def __init__(self):
+    def __init__(self, shared_prefixes: bool = False):
+        """shared_prefixes: requests may read KV that another request wrote for the same tokens (a prefix cache), so
+        a read is checked for its position and token only, not for the request that wrote it."""
         self.kv: dict[int, tuple[str, int, int]] = {}  # slot -> (request_id, position, token_id)
+        self.shared_prefixes = shared_prefixes
+
+    def check_read(self, slot: int, request_id: str, position: int, token_id: int) -> None:
+        """Asserts that `slot` holds the KV of `token_id` at `position` (written by `request_id` itself, unless
+        prefixes are shared)."""
+        assert slot in self.kv, f"{request_id} reads slot {slot} (position {position}), which nothing wrote"
+        written = self.kv[slot][1:] if self.shared_prefixes else self.kv[slot]
+        assert written == ((position, token_id) if self.shared_prefixes else (request_id, position, token_id))
 
     def step(self, batch: ReplicaBatch, page_size: int) -> dict[str, int]:
         """Runs one batch and returns the sampled token of each sequence that completes its prompt."""
@@ -73,7 +83,7 @@ class FakeModel:
             all_token_ids = request.all_token_ids
             for position in range(sequence.kv_len):
                 slot = sequence.block_table[position // page_size] * page_size + position % page_size
-                assert self.kv[slot] == (request.request_id, position, all_token_ids[position])
+                self.check_read(slot, request.request_id, position, all_token_ids[position])
             if sequence.completes_prompt:
                 sampled[request.request_id] = fake_token(request.request_id, sequence.kv_len)
         return sampled
