@@ -182,9 +182,7 @@ class Engine:
         num_generated = sum(int(sampled.tokens[c]) != NONFINITE_TOKEN for rows in taken.values() for c in rows)
         if self.drafter is not None:
             self.drafter.budget.observe_emitted(num_generated)
-        num_computed = batch.num_batched_tokens
-        if batch.decode_steps > 1:  # a chained row's passes after the token that stopped it wrote no KV
-            num_computed -= sum(len(emitted[request_id]) - count for request_id, count in outcome.num_taken.items())
+        num_computed = batch.num_batched_tokens - outcome.num_skipped_passes  # a stopped chained row's wrote no KV
         self.metrics.record_step(start, self.scheduler, num_computed, peak_pages, finished, num_generated)
         self.metrics.num_pages_swapped = self.runner.num_pages_swapped
         self.metrics.num_compilations = self.num_compilations

@@ -235,7 +235,7 @@ class ReplicaScheduler:
         if self._slots_to_free:
             self.swap_slots.free(self._slots_to_free)
             self._slots_to_free = []
-        finished, self._forked, num_taken = [], [], {}
+        finished, self._forked, num_taken, num_skipped = [], [], {}, 0
         for sequence in batch.sequences:
             request = sequence.request
             if request.status is not RequestStatus.RUNNING:
@@ -261,7 +261,9 @@ class ReplicaScheduler:
                 if sequence.num_draft_tokens and not speculated:
                     # A chained row stops on the device at the token that stops it here: its later passes wrote no
                     # KV, so they are not computed tokens (nor, once full, cacheable pages).
-                    request.num_computed_tokens -= len(tokens) - num_taken[request.request_id]
+                    skipped = len(tokens) - num_taken[request.request_id]
+                    request.num_computed_tokens -= skipped
+                    num_skipped += skipped
             self.prefix_sharing.cache_full_pages(request)
             if self.forks.ready(request):
                 request.fork_pending = False
@@ -269,7 +271,7 @@ class ReplicaScheduler:
             if finish_reason is not None:
                 self.finish(request, finish_reason)
                 finished.append(request)
-        return StepOutcome(finished, self._forked, num_taken)
+        return StepOutcome(finished, self._forked, num_taken, num_skipped)
 
     def abort(self, request_id: str) -> Request | None:
         """Finishes a waiting or running request with "abort" and frees its pages; unknown or finished ids are ignored.

@@ -176,8 +176,10 @@ class SpeculatingStep:
 @dataclasses.dataclass(frozen=True)
 class StepOutcome:
     """What recording a step's tokens changed: the requests that finished, the samples forked (n > 1), which run
-    from the next step on, and how many of its tokens each request took (fewer than given where one stopped it)."""
+    from the next step on, how many of its tokens each request took (fewer than given where one stopped it), and
+    the chained passes that computed nothing (each row's after the token that stopped it)."""
 
     finished: list[Request]
     forked: list[Request]
     num_taken: dict[str, int] = dataclasses.field(default_factory=dict)
+    num_skipped_passes: int = 0

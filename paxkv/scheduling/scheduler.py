@@ -237,22 +237,23 @@ class Scheduler:
 
     def update(self, batch: ScheduledBatch, sampled_tokens: Mapping[str, int | Sequence[int]]) -> StepOutcome:
         """Records a finished step on every replica: the requests that finished and the samples forked, replica by
-        replica, and how many of its tokens each request took.
+        replica, how many of its tokens each request took, and the chained passes that computed nothing.
 
         Args:
           batch: the batch schedule() returned last.
           sampled_tokens: request_id -> its token (or its accepted drafts and one more), as ReplicaScheduler.update.
         """
-        finished, forked, num_taken = [], [], {}
+        finished, forked, num_taken, num_skipped = [], [], {}, 0
         for replica, replica_batch in zip(self.replicas, batch.replica_batches, strict=True):
             outcome = replica.update(replica_batch, sampled_tokens)
             finished += outcome.finished
             forked += outcome.forked
             num_taken.update(outcome.num_taken)
+            num_skipped += outcome.num_skipped_passes
         for request in finished:
             self._replica_of.pop(request.request_id, None)
         self._track(forked)
-        return StepOutcome(finished, forked, num_taken)
+        return StepOutcome(finished, forked, num_taken, num_skipped)
 
     def _track(self, forked: list[Request]) -> None:
         """Samples stay on their parent's replica."""
