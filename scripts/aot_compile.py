@@ -350,6 +350,10 @@ def main() -> int:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.num_scheduler_steps < 1:
+        parser.error(
+            f"--num_scheduler_steps must be at least 1 (1: no chained program); got {args.num_scheduler_steps}"
+        )
     if args.worker:
         worker(args.target)
         return 0
